@@ -1,0 +1,65 @@
+"""Plain autoregressive decoding on our model: the ``vanilla`` method and the reference for all others."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from m2r2.decoding import register
+from m2r2.decoding.base import GenerationConfig, GenerationResult, Sampler, Stopper, StreamCallback, check_prompt
+from m2r2.model import Transformer
+
+if TYPE_CHECKING:
+    from m2r2.engine import Engine
+
+
+class Autoregressive:
+    """One forward pass per token over the preallocated KV cache."""
+
+    name = "vanilla"
+
+    def __init__(
+        self, model: Transformer, eos_ids: list[int], decode: Callable[[list[int]], str] | None = None
+    ) -> None:
+        self.model = model
+        self.eos_ids = eos_ids
+        self.decode = decode
+
+    @torch.inference_mode()
+    def generate(
+        self, prompt: list[int], gen: GenerationConfig, stream: StreamCallback | None = None
+    ) -> GenerationResult:
+        gen.validate()
+        ctx = self.model.cfg.max_position_embeddings
+        check_prompt(prompt, ctx)
+        t0 = time.perf_counter()
+        room = ctx - len(prompt)
+        stopper = Stopper(gen, self.eos_ids, self.decode, room)
+        sampler = Sampler(gen, self.model.device)
+        cache = self.model.new_cache(len(prompt) + stopper.budget)
+        ids = torch.tensor([prompt], device=self.model.device)
+        logits = self.model(ids, cache, 0, last_only=True)
+        steps = 1
+        while True:
+            tok = sampler(logits[0, -1])
+            if stopper.push([tok]) and stream is not None:
+                stream([tok])
+            if stopper.done:
+                break
+            logits = self.model(torch.tensor([[tok]], device=self.model.device), cache)
+            steps += 1
+        return GenerationResult(
+            tokens=stopper.tokens,
+            seconds=time.perf_counter() - t0,
+            stop_reason=str(stopper.reason),
+            prompt_tokens=len(prompt),
+            stats={"forward_passes": steps, "layers_per_token": float(self.model.cfg.num_layers)},
+        )
+
+
+@register("vanilla", "plain autoregressive decoding on m2r2's own model (the baseline of every speedup)")
+def _vanilla(engine: Engine) -> Autoregressive:
+    return Autoregressive(engine.model, engine.tokenizer.eos_ids, engine.tokenizer.decode)

@@ -1,0 +1,179 @@
+"""The one interface every decoding strategy implements, plus what they all share.
+
+A strategy turns prompt token ids into new token ids. Everything around that (chat templates,
+timing, the benchmark) lives outside, so a new method is one small module with a ``generate``.
+Stopping (EOS, stop strings, token budget, context end) and sampling are shared here so that all
+strategies cut their output at exactly the same place, which the lossless tests rely on.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from m2r2.errors import InputError, SettingsError
+
+#: Called with the token ids accepted since the last call (one or several at a time).
+StreamCallback = Callable[[list[int]], None]
+
+
+@dataclass
+class GenerationConfig:
+    """Sampling and stopping settings. ``temperature == 0`` means greedy."""
+
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+
+    def validate(self) -> GenerationConfig:
+        if self.max_new_tokens < 1:
+            raise SettingsError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise SettingsError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise SettingsError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise SettingsError(f"top_p must be in (0, 1], got {self.top_p}")
+        if any(not s for s in self.stop):
+            raise SettingsError("stop strings must not be empty")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class GenerationResult:
+    """New tokens and what it took to produce them."""
+
+    tokens: list[int]
+    seconds: float
+    stop_reason: str
+    prompt_tokens: int
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+class Strategy(Protocol):
+    """A decoding method: ``generate`` must honour every field of the :class:`GenerationConfig`."""
+
+    name: str
+
+    def generate(
+        self, prompt: list[int], gen: GenerationConfig, stream: StreamCallback | None = None
+    ) -> GenerationResult: ...
+
+
+def check_prompt(prompt: list[int], context: int) -> None:
+    """Reject prompts that are empty or leave no room for a single new token."""
+    if not prompt:
+        raise InputError("the prompt is empty")
+    if len(prompt) >= context:
+        raise InputError(f"the prompt has {len(prompt)} tokens; the model's context window is {context}")
+
+
+def warp_probs(logits: Tensor, gen: GenerationConfig) -> Tensor:
+    """Probabilities after temperature, top-k and top-p (``logits``: ``[..., V]`` float32).
+
+    Speculative sampling needs these exact distributions for both draft and target, so they are
+    computed in one place.
+    """
+    logits = logits / gen.temperature
+    if gen.top_k and gen.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, gen.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if gen.top_p < 1.0:
+        sorted_p, idx = probs.sort(dim=-1, descending=True)
+        cum = sorted_p.cumsum(-1)
+        # keep the smallest prefix whose mass reaches top_p (always at least one token)
+        drop = (cum - sorted_p) >= gen.top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+class Sampler:
+    """Picks the next token from logits: argmax when greedy, else seeded multinomial sampling."""
+
+    def __init__(self, gen: GenerationConfig, device: torch.device | str = "cpu") -> None:
+        self.gen = gen
+        self.rng: torch.Generator | None = None
+        if not gen.greedy:
+            self.rng = torch.Generator(device=device)
+            self.rng.manual_seed(gen.seed if gen.seed is not None else int(time.time_ns() % (2**63)))
+
+    def __call__(self, logits: Tensor) -> int:
+        """``logits``: ``[V]`` float32 for one position."""
+        if self.rng is None:
+            return int(logits.argmax())
+        return int(torch.multinomial(warp_probs(logits, self.gen), 1, generator=self.rng))
+
+
+class Stopper:
+    """Decides where output ends: EOS, a stop string, the token budget or the context window.
+
+    ``push`` takes any number of new tokens (speculative methods accept several at once) and
+    returns how many of them to keep, so every method stops at the same token.
+    """
+
+    def __init__(
+        self,
+        gen: GenerationConfig,
+        eos_ids: list[int],
+        decode: Callable[[list[int]], str] | None,
+        room: int,
+    ) -> None:
+        self.eos = set(eos_ids)
+        self.stop = gen.stop
+        self.decode = decode
+        self.budget = min(gen.max_new_tokens, room)
+        self.budget_reason = "max_new_tokens" if gen.max_new_tokens <= room else "context"
+        self.tokens: list[int] = []
+        self.reason: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.reason is not None
+
+    def push(self, new: list[int]) -> int:
+        kept = 0
+        for tok in new:
+            if self.done:
+                break
+            if tok in self.eos:
+                self.reason = "eos"
+                break
+            self.tokens.append(tok)
+            kept += 1
+            if self.stop and self.decode is not None:
+                tail = self.decode(self.tokens[-64:])
+                if any(s in tail for s in self.stop):
+                    self.reason = "stop_string"
+            if len(self.tokens) >= self.budget and not self.done:
+                self.reason = self.budget_reason
+        return kept
+
+
+def trim_stop_text(text: str, stop: list[str]) -> str:
+    """Cut decoded text at the first stop string."""
+    cut = min((i for s in stop if (i := text.find(s)) >= 0), default=-1)
+    return text if cut < 0 else text[:cut]

@@ -1,0 +1,139 @@
+"""The user-facing entry point: load a model once, then generate with any decoding method.
+
+``Engine`` owns the model, tokenizer and settings that every strategy shares; strategies are
+built on demand by name from :mod:`m2r2.decoding` and cached, so the benchmark and the CLI use
+exactly the same objects.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from m2r2.decoding import build_strategy, method_names
+from m2r2.decoding.base import GenerationConfig, GenerationResult, Strategy, StreamCallback, trim_stop_text
+from m2r2.errors import SettingsError, UnknownNameError
+from m2r2.loading import load_model, resolve_model
+from m2r2.model import Transformer
+from m2r2.tokenizer import ChatTokenizer, Message
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+#: Reference precision: plain fp32 kernels, greedy output identical to transformers' generate.
+REFERENCE_DTYPE = "fp32"
+#: Default precision, chosen by measurement on the project's CPU (BENCHMARKS.md).
+DEFAULT_DTYPE = "bf16"
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise SettingsError(f"unknown dtype {name!r}; choose from fp32, bf16") from None
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass
+class Completion:
+    """One generated answer: decoded text plus the raw result."""
+
+    text: str
+    result: GenerationResult
+    method: str
+    prompt_ids: list[int] = field(repr=False, default_factory=list)
+
+    def summary(self) -> str:
+        r = self.result
+        line = f"[{self.method}] {r.new_tokens} tokens in {r.seconds:.2f} s = {r.tokens_per_s:.1f} tok/s"
+        acc = r.stats.get("mean_accepted")
+        if acc is not None:
+            line += f", mean accepted {acc:.2f} tokens/verify"
+        return line + f" (stop: {r.stop_reason})"
+
+    def to_json(self) -> dict[str, Any]:
+        r = self.result
+        return {
+            "text": self.text,
+            "new_tokens": r.new_tokens,
+            "prompt_tokens": r.prompt_tokens,
+            "seconds": r.seconds,
+            "tokens_per_s": r.tokens_per_s,
+            "method": self.method,
+            "stop_reason": r.stop_reason,
+            "stats": r.stats,
+        }
+
+
+class Engine:
+    """A loaded model plus tokenizer; ``generate`` runs any registered decoding method."""
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str] | None = None,
+        dtype: str = DEFAULT_DTYPE,
+        device: str | None = None,
+        kernel: str = "auto",
+        threads: int | None = None,
+        quiet: bool = False,
+    ) -> None:
+        if threads:
+            torch.set_num_threads(threads)
+        self.dtype_name = "fp32" if parse_dtype(dtype) == torch.float32 else "bf16"
+        self.device = device or default_device()
+        self.model_dir: Path = resolve_model(model, quiet=quiet)
+        # fp32 is the reference mode: plain kernels, so output matches transformers exactly.
+        if self.dtype_name == REFERENCE_DTYPE:
+            kernel = "plain"
+        loaded = load_model(self.model_dir, parse_dtype(dtype), self.device, kernel=kernel)
+        self.model: Transformer = loaded.model
+        self.fingerprint = loaded.fingerprint
+        self.kernel = loaded.kernel
+        self.tokenizer = ChatTokenizer(self.model_dir, extra_eos=self.model.cfg.eos_token_ids)
+        self._strategies: dict[tuple[str, tuple[tuple[str, Any], ...]], Strategy] = {}
+
+    @property
+    def context(self) -> int:
+        return self.model.cfg.max_position_embeddings
+
+    def strategy(self, method: str, **options: Any) -> Strategy:
+        """The strategy called ``method`` (built once per option set)."""
+        if method not in method_names():
+            raise UnknownNameError(f"unknown method {method!r}; choose from {', '.join(method_names())}")
+        key = (method, tuple(sorted(options.items())))
+        if key not in self._strategies:
+            self._strategies[key] = build_strategy(method, self, **options)
+        return self._strategies[key]
+
+    def generate_ids(
+        self,
+        prompt_ids: list[int],
+        method: str = "vanilla",
+        gen: GenerationConfig | None = None,
+        stream: StreamCallback | None = None,
+        **options: Any,
+    ) -> GenerationResult:
+        gen = (gen or GenerationConfig()).validate()
+        return self.strategy(method, **options).generate(prompt_ids, gen, stream)
+
+    def chat(
+        self,
+        messages: list[Message],
+        method: str = "vanilla",
+        gen: GenerationConfig | None = None,
+        stream: StreamCallback | None = None,
+        **options: Any,
+    ) -> Completion:
+        """Answer the last user message of ``messages`` (chat template applied)."""
+        gen = (gen or GenerationConfig()).validate()
+        ids = self.tokenizer.encode_chat(messages)
+        result = self.generate_ids(ids, method, gen, stream, **options)
+        text = self.tokenizer.decode(result.tokens)
+        if gen.stop:
+            text = trim_stop_text(text, gen.stop)
+        return Completion(text=text, result=result, method=method, prompt_ids=ids)

@@ -1,0 +1,62 @@
+"""Thin wrapper over transformers' tokenizer: chat template, EOS ids and stop strings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from m2r2.errors import InputError
+
+Message = dict[str, str]
+
+
+class ChatTokenizer:
+    """Encodes chat messages with the model's own template and knows which ids end a turn."""
+
+    def __init__(self, model_dir: Path, extra_eos: list[int] | None = None) -> None:
+        from transformers import AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        self.hf = AutoTokenizer.from_pretrained(model_dir)
+        eos: set[int] = set(extra_eos or [])
+        if self.hf.eos_token_id is not None:
+            eos.add(int(self.hf.eos_token_id))
+        # Chat models end a turn with their template's end marker, which is not always "eos".
+        for marker in ("<|im_end|>", "<|eot_id|>", "<|end|>", "</s>"):
+            tid = self.hf.convert_tokens_to_ids(marker)
+            if isinstance(tid, int) and tid != self.hf.unk_token_id and tid >= 0:
+                eos.add(tid)
+        self.eos_ids = sorted(eos)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+    def encode_chat(self, messages: list[Message]) -> list[int]:
+        """Token ids of ``messages`` followed by the assistant-turn prompt."""
+        if not messages or not any(m.get("content", "").strip() for m in messages if m.get("role") == "user"):
+            raise InputError("the prompt is empty")
+        if self.hf.chat_template:
+            ids: Any = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            return [int(i) for i in ids]
+        text = "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
+        return self.encode(text)
+
+    def encode(self, text: str) -> list[int]:
+        return [int(i) for i in self.hf.encode(text, add_special_tokens=False)]
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self.hf.decode(ids, skip_special_tokens=True))
+
+
+def messages_for(prompt: str, system: str | None = None, history: list[Message] | None = None) -> list[Message]:
+    """Chat messages for one user turn, with an optional system prompt and earlier turns."""
+    msgs: list[Message] = []
+    if system:
+        msgs.append({"role": "system", "content": system})
+    msgs.extend(history or [])
+    msgs.append({"role": "user", "content": prompt})
+    return msgs
