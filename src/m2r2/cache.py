@@ -54,3 +54,16 @@ class KVCache:
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate a cache of length {self.length} to {length}")
         self.length = length
+
+    def keep(self, slots: list[int], dst: int) -> None:
+        """Move the entries at cache ``slots`` (ascending) to ``dst, dst+1, ...``; length = dst + n.
+
+        Tree and lookahead verification write every candidate's K/V side by side; the accepted
+        path is then compacted to follow the verified prefix without recomputing anything.
+        """
+        n = len(slots)
+        if slots != list(range(dst, dst + n)):
+            idx = torch.tensor(slots, device=self.k.device)
+            self.k[:, :, :, dst : dst + n] = self.k.index_select(3, idx)
+            self.v[:, :, :, dst : dst + n] = self.v.index_select(3, idx)
+        self.length = dst + n

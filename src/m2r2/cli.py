@@ -12,6 +12,8 @@ from pathlib import Path
 from m2r2.errors import M2R2Error
 
 DEFAULT_PROMPT_SYSTEM = None
+#: Training prompts shared by the project (relative to the repository root).
+DEFAULT_TRAIN_PROMPTS = Path("../shared/data/train/prompts.jsonl")
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -177,6 +179,118 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_distill_data(args: argparse.Namespace) -> int:
+    from m2r2.training.distill import DistillSettings, distill
+
+    engine = _engine(args)
+    settings = DistillSettings(
+        prompts=Path(args.prompts),
+        out=Path(args.out),
+        limit=args.limit,
+        max_new_tokens=args.max_new_tokens,
+        max_prompt_tokens=args.max_prompt_tokens,
+        batch=args.batch,
+    )
+
+    def progress(done: int, total: int, secs: float) -> None:
+        print(f"distill-data: {done}/{total} answers ({secs:.0f} s this run)", file=sys.stderr, flush=True)
+
+    n = distill(engine.model, engine.tokenizer.encode_chat, engine.tokenizer.eos_ids, settings, progress)
+    print(f"distill-data: wrote {n} new answers to {settings.out}", file=sys.stderr)
+    return 0
+
+
+def _list_arg(text: str | None) -> list[int] | None:
+    return [int(x) for x in text.split(",") if x.strip()] if text else None
+
+
+def _fast_config(args: argparse.Namespace, num_layers: int):  # -> FastConfig
+    from m2r2.multirate.fast import FastConfig
+
+    path = args.path if args.path in ("prefix", "strided") else [i - 1 for i in _list_arg(args.path) or []]
+    return FastConfig.build(num_layers, args.rate, args.depth, path, args.rank, _list_arg(args.exits))
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    import torch
+
+    from m2r2.loading import load_model, resolve_model
+    from m2r2.training.distill import load_distilled
+    from m2r2.training.loop import TrainSettings, train
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model_dir = resolve_model(args.model)
+    loaded = load_model(model_dir, torch.float32, args.device or "cpu", kernel="plain")
+    teacher = None
+    if args.teacher == "bf16":  # slow pass on the fast inference kernels; the fast stream stays fp32
+        teacher = load_model(model_dir, torch.bfloat16, args.device or "cpu").model
+    records = load_distilled(Path(args.data))
+    cfg = _fast_config(args, loaded.model.cfg.num_layers)
+    settings = TrainSettings(
+        out=Path(args.out),
+        steps=args.steps,
+        minutes=args.minutes,
+        batch=args.batch,
+        max_len=args.max_len,
+        lr=args.lr,
+        warmup=args.warmup,
+        gamma_max=args.gamma_max,
+        align_w=args.align_w,
+        kl_w=args.kl_w,
+        arla_w=args.arla_w,
+        seed=args.seed,
+        ckpt_minutes=args.ckpt_minutes,
+        resume=args.resume,
+        adapter_dtype=args.adapter_dtype,
+        info={
+            "base_model": str(args.model or "smollm2-135m"),
+            "data": str(args.data),
+            "answers": len(records),
+            "teacher": args.teacher,
+        },
+    )
+    out = train(loaded.model, cfg, records, settings, loaded.fingerprint, teacher)
+    out.pop("stream")
+    print(json.dumps({**out, "adapters": str(Path(args.out) / "adapters.safetensors")}))
+    return 0
+
+
+def cmd_eval_align(args: argparse.Namespace) -> int:
+    import torch
+
+    from m2r2.multirate.io import load_default
+    from m2r2.training.distill import generate_batch
+    from m2r2.training.evaluate import align_report, eval_prompts, markdown
+
+    engine = _engine(args, quiet=args.json)
+    stream = load_default(engine.model, engine.fingerprint, Path(args.adapters) if args.adapters else None)
+    stream.to(engine.model.device).freeze()
+    prompts = eval_prompts(args.dataset, Path(args.eval_root), args.limit)
+    ids = [engine.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in prompts]
+    records: list[dict] = []
+    saved = Path(args.answers) if args.answers else None
+    if saved is not None and saved.is_file():  # the base model's answers, reused across adapters
+        records = [json.loads(x) for x in saved.read_text().splitlines() if x.strip()]
+        if [r["prompt_ids"] for r in records] != ids:
+            raise M2R2Error(f"{saved} holds answers to other prompts; delete it or pick another path")
+    with torch.inference_mode():
+        for i in range(0 if not records else len(ids), len(ids), args.batch):
+            answers = generate_batch(
+                engine.model, ids[i : i + args.batch], args.max_new_tokens, engine.tokenizer.eos_ids
+            )
+            records += [
+                {"prompt_ids": p, "answer_ids": a} for p, a in zip(ids[i : i + args.batch], answers, strict=True)
+            ]
+        if saved is not None and not saved.is_file():
+            saved.parent.mkdir(parents=True, exist_ok=True)
+            saved.write_text("".join(json.dumps(r) + "\n" for r in records))
+        rep = align_report(stream, records, block=args.block)
+    rep["dataset"], rep["prompts"] = args.dataset, len(prompts)
+    print(json.dumps(rep, indent=2) if args.json else markdown(rep))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from m2r2 import __version__
 
@@ -220,6 +334,71 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", default="bench-out", help="output directory (default bench-out)")
     _add_model_args(b)
     b.set_defaults(func=cmd_bench)
+
+    d = sub.add_parser(
+        "distill-data",
+        help="answer training prompts with the base model itself (self-distillation data for `m2r2 train`)",
+        description="Greedy, batched answers to rebalanced training prompts, appended to --out as JSONL; "
+        "a rerun resumes where an interrupted run stopped. Eval sets are refused.",
+    )
+    d.add_argument("--prompts", default=str(DEFAULT_TRAIN_PROMPTS), help="training prompts JSONL (never an eval set)")
+    d.add_argument("--out", default="runs/distill/answers.jsonl", help="output JSONL (appended; resumable)")
+    d.add_argument("--limit", type=int, default=2000, help="number of prompts to answer (0 = all)")
+    d.add_argument("--max-new-tokens", type=int, default=256, help="answer length cap (default 256)")
+    d.add_argument("--max-prompt-tokens", type=int, default=384, help="skip longer prompts (default 384)")
+    d.add_argument("--batch", type=int, default=16, help="prompts decoded together (default 16)")
+    _add_model_args(d)
+    d.set_defaults(func=cmd_distill_data)
+
+    t = sub.add_parser(
+        "train",
+        help="train the fast stream's accelerator adapters and the ARLA router (base model frozen)",
+        description="Self-distillation on `m2r2 distill-data` output. Checkpoints to --out every few minutes "
+        "(atomically); --resume continues bit-for-bit. Works under `accelerate launch` / torchrun.",
+    )
+    t.add_argument("--data", default="runs/distill/answers.jsonl", help="distilled answers JSONL")
+    t.add_argument("--out", default="runs/train", help="checkpoint and adapter directory (default runs/train)")
+    t.add_argument("--rate", type=int, default=None, help="R: fast layer j is aligned to slow layer R*j (default 3)")
+    t.add_argument("--depth", type=int, default=None, help="K fast layers (default ceil(N/R))")
+    t.add_argument("--path", default="prefix", help="prefix (base layers 1..K), strided (R, 2R, ..) or 1-based list")
+    t.add_argument("--rank", type=int, default=16, help="adapter rank (default 16)")
+    t.add_argument("--exits", default=None, help="comma list of fast layers trained as exits (default: the last)")
+    t.add_argument("--steps", type=int, default=1000, help="maximum optimizer steps (default 1000)")
+    t.add_argument("--minutes", type=float, default=0.0, help="wall-clock budget in minutes (0 = none)")
+    t.add_argument("--batch", type=int, default=4, help="sequences per step over all processes (default 4)")
+    t.add_argument("--max-len", type=int, default=384, help="tokens per sequence (default 384)")
+    t.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    t.add_argument("--warmup", type=int, default=20, help="linear warm-up steps (default 20)")
+    t.add_argument("--gamma-max", type=int, default=6, help="longest emulated draft block (default 6)")
+    t.add_argument("--align-w", type=float, default=1.0, help="weight of the cosine alignment loss")
+    t.add_argument("--kl-w", type=float, default=1.0, help="weight of the KL loss at exits")
+    t.add_argument("--arla-w", type=float, default=0.1, help="weight of the ARLA router loss")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--ckpt-minutes", type=float, default=5.0, help="checkpoint interval (default 5 minutes)")
+    t.add_argument("--resume", action="store_true", help="continue from --out/checkpoint.pt")
+    t.add_argument("--adapter-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    t.add_argument("--teacher", default="fp32", choices=["fp32", "bf16"], help="precision of the slow pass")
+    t.add_argument("--model", default=os.environ.get("M2R2_MODEL"), help="base model (default smollm2-135m)")
+    t.add_argument("--device", default=None, help="cpu or cuda (default cpu)")
+    t.add_argument("--threads", type=int, default=None, help="torch CPU threads per process")
+    t.set_defaults(func=cmd_train)
+
+    e = sub.add_parser(
+        "eval-align",
+        help="per-fast-layer agreement, alignment and ARLA calibration on eval prompts",
+        description="Teacher-forced on the base model's greedy answers to eval prompts (never training prompts).",
+    )
+    e.add_argument("--dataset", default="mt_bench", help="eval set name under --eval-root, or a JSONL path")
+    e.add_argument("--eval-root", default="../shared/data/eval", help="directory of eval sets")
+    e.add_argument("--limit", type=int, default=20, help="prompts (default 20; 0 = all)")
+    e.add_argument("--max-new-tokens", type=int, default=128, help="answer length (default 128)")
+    e.add_argument("--batch", type=int, default=8, help="prompts answered together (default 8)")
+    e.add_argument("--block", type=int, default=1, help="draft block length emulated (default 1)")
+    e.add_argument("--adapters", default=None, help="adapter .safetensors (default: the shipped ones)")
+    e.add_argument("--answers", default=None, help="JSONL to save the base model's answers to, or reuse them from")
+    e.add_argument("--json", action="store_true", help="print JSON (layers: [{layer, agree_fast, ...}])")
+    _add_model_args(e)
+    e.set_defaults(func=cmd_eval_align)
     return p
 
 

@@ -44,6 +44,8 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        if self.num_heads < 1 or self.num_kv_heads < 1:
+            raise UnsupportedModelError(f"head counts must be positive, got {self.num_heads} / {self.num_kv_heads}")
         if self.num_heads % self.num_kv_heads:
             raise UnsupportedModelError(
                 f"num_attention_heads={self.num_heads} is not a multiple of "
@@ -69,6 +71,9 @@ class ModelConfig:
             raise UnsupportedModelError(f"hidden_act {act!r} is not supported (only silu / SwiGLU)")
         if d.get("mlp_bias"):
             raise UnsupportedModelError("mlp_bias=true is not supported")
+        # transformers: Qwen2 always has q/k/v biases, Mistral never; Llama's flag also biases o_proj.
+        if model_type == "llama" and d.get("attention_bias"):
+            raise UnsupportedModelError("attention_bias=true (biased q/k/v/o projections) is not supported for llama")
         # transformers v5 folds rope_theta and rope_scaling into rope_parameters.
         rope = dict(d.get("rope_parameters") or {})
         theta = float(rope.pop("rope_theta", d.get("rope_theta", 10000.0)))
@@ -102,8 +107,9 @@ class ModelConfig:
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
             rope_theta=theta,
             rope_scaling=scaling,
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", model_type != "mistral")),
-            attention_bias=bool(d.get("attention_bias", model_type == "qwen2")),
+            # transformers' Llama/Mistral/Qwen2 configs all default to untied heads.
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=model_type == "qwen2",
             sliding_window=int(window) if window else None,
             model_type=model_type,
             bos_token_id=d.get("bos_token_id"),
@@ -116,10 +122,14 @@ class ModelConfig:
             d = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise UnsupportedModelError(f"cannot read model config {path}: {e}") from e
+        if not isinstance(d, dict):
+            raise UnsupportedModelError(f"model config {path} is not a JSON object")
         try:
             return cls.from_hf_dict(d)
         except KeyError as e:
             raise UnsupportedModelError(f"model config {path} lacks the field {e}") from e
+        except (TypeError, ValueError, ZeroDivisionError) as e:
+            raise UnsupportedModelError(f"model config {path} has an invalid value: {e}") from e
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -147,7 +157,7 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[list[float], float]:
         factor = float(s["factor"])
         low = float(s.get("low_freq_factor", 1.0))
         high = float(s.get("high_freq_factor", 4.0))
-        old_ctx = float(s.get("original_max_position_embeddings", 8192))
+        old_ctx = float(s.get("original_max_position_embeddings") or cfg.max_position_embeddings)
         low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
         out = []
         for x in inv:
@@ -165,15 +175,24 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[list[float], float]:
         old_ctx = float(s.get("original_max_position_embeddings") or cfg.max_position_embeddings)
         beta_fast = float(s.get("beta_fast") or 32)
         beta_slow = float(s.get("beta_slow") or 1)
+
+        def get_mscale(scale: float, m: float = 1.0) -> float:
+            return 0.1 * m * math.log(scale) + 1.0 if scale > 1 else 1.0
+
         mscale = s.get("attention_factor")
         if mscale is None:
-            mscale = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+            if s.get("mscale") and s.get("mscale_all_dim"):
+                mscale = get_mscale(factor, float(s["mscale"])) / get_mscale(factor, float(s["mscale_all_dim"]))
+            else:
+                mscale = get_mscale(factor)
 
         def correction_dim(rot: float) -> float:
             return (dim * math.log(old_ctx / (rot * 2 * math.pi))) / (2 * math.log(base))
 
-        low = max(math.floor(correction_dim(beta_fast)), 0)
-        high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+        low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+        if s.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
         if low == high:
             high += 0.001
         out = []

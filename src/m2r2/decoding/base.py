@@ -45,6 +45,8 @@ class GenerationConfig:
             raise SettingsError(f"top_p must be in (0, 1], got {self.top_p}")
         if any(not s for s in self.stop):
             raise SettingsError("stop strings must not be empty")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise SettingsError(f"seed must fit in 64 bits, got {self.seed}")
         return self
 
     @property
@@ -95,7 +97,9 @@ def warp_probs(logits: Tensor, gen: GenerationConfig) -> Tensor:
     Speculative sampling needs these exact distributions for both draft and target, so they are
     computed in one place.
     """
-    logits = logits / gen.temperature
+    # Shift the max to 0 first (softmax is shift-invariant): a tiny temperature then sends the
+    # other logits to -inf instead of overflowing everything to inf (NaN probabilities).
+    logits = (logits - logits.amax(-1, keepdim=True)) / gen.temperature
     if gen.top_k and gen.top_k < logits.shape[-1]:
         kth = torch.topk(logits, gen.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

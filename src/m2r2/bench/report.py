@@ -1,0 +1,72 @@
+"""Turn a results dict into the markdown table and the PNG plot that the benchmark writes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def header_line(results: dict[str, Any]) -> str:
+    """Everything a reader needs to judge the numbers: hardware, precision, threads, versions."""
+    r = results
+    return (
+        f"{r['model']} on {r['cpu']} ({r['device']}, {r['threads']} threads), dtype {r['dtype']}, "
+        f"kernel {r['kernel']}; torch {r['torch_version']}, transformers {r['transformers_version']}; "
+        f"{r['n_prompts']} prompts of {r['dataset']}, up to {r['max_new_tokens']} new tokens per turn; {r['date']}"
+    )
+
+
+def markdown_table(results: dict[str, Any]) -> str:
+    """One row per (dataset, method); speedup and identical are against each run's first method."""
+    rows = [
+        "| dataset | method | tokens/s | speedup | identical | new tokens | mean accepted | seconds |",
+        "|---|---|--:|--:|--:|--:|--:|--:|",
+    ]
+    for m in results["methods"].values():
+        acc = m.get("mean_accepted")
+        rows.append(
+            f"| {m['dataset']} | {m['method']} | {m['tokens_per_s']:.1f} | {m['speedup']:.2f}x | "
+            f"{m['identical']:.0%} | {m['mean_new_tokens']:.1f} | {'-' if acc is None else f'{acc:.2f}'} | "
+            f"{m['total_seconds']:.1f} |"
+        )
+    return "\n".join(rows)
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    """Bar plots of median tokens/s and median speedup per method (Agg: no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(results["methods"])
+    stats = list(results["methods"].values())
+    colors = [f"C{i % 10}" for i in range(len(labels))]
+    fig, axes = plt.subplots(1, 2, figsize=(max(8.0, 1.6 * len(labels) + 4), 4.2))
+    for ax, key, title, fmt in (
+        (axes[0], "tokens_per_s", "median tokens/s", "{:.1f}"),
+        (axes[1], "speedup", f"median speedup vs {stats[0]['method']}", "{:.2f}x"),
+    ):
+        values = [s[key] for s in stats]
+        bars = ax.bar(labels, values, color=colors)
+        ax.bar_label(bars, labels=[fmt.format(v) for v in values], padding=2, fontsize=8)
+        ax.set_title(title)
+        ax.tick_params(axis="x", rotation=30, labelsize=8)
+        ax.set_ylim(0, max([*values, 1e-9]) * 1.18)
+    axes[1].axhline(1.0, color="gray", linewidth=0.8, linestyle="--")
+    fig.suptitle(
+        f"{results['model']} · {results['dataset']} · {results['dtype']} · {results['threads']} threads "
+        f"· {results['device']}",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(results: dict[str, Any], out_dir: Path) -> str:
+    """Write results.md and speed.png to ``out_dir``; return the markdown (header + table)."""
+    text = f"{header_line(results)}\n\n{markdown_table(results)}\n"
+    (out_dir / "results.md").write_text(text, encoding="utf-8")
+    plot(results, out_dir / "speed.png")
+    return text

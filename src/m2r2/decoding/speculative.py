@@ -1,0 +1,240 @@
+"""Lossless self-speculative decoding: a drafter proposes, one slow pass verifies, the cache rolls back.
+
+The loop is drafter-agnostic: ``m2r2`` drafts with the M2R2 fast stream (trained accelerator
+adapters over the shared slow KV cache), ``early-exit-spec`` with the same layers and no adapters
+(plain early exit), which is the ablation that shows what the adapters buy.
+
+Invariants the tests check: greedy output is token-for-token the plain greedy output (a draft is
+kept only where it equals the slow model's argmax, and the slow model always supplies the next
+token), and with sampling the output follows the target distribution exactly (speculative
+sampling: accept a draft with probability ``min(1, p/q)``, else resample from ``max(0, p - q)``).
+
+Draft length adapts per round: drafting stops when ARLA (or the draft's own confidence) says the
+next draft is unlikely to be accepted, and the cap is the draft length that maximises expected
+tokens per unit time given the measured cost of a draft step and of a verify pass for k tokens and
+the running acceptance rate.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from m2r2.decoding.base import (
+    GenerationConfig,
+    GenerationResult,
+    Sampler,
+    Stopper,
+    StreamCallback,
+    check_prompt,
+    warp_probs,
+)
+from m2r2.errors import SettingsError
+from m2r2.model import Transformer
+
+
+class Drafter(Protocol):
+    """Proposes tokens after the verified prefix; reads the slow cache, never changes verified entries."""
+
+    #: base layers run per draft step (for the compute statistics)
+    layers_per_step: int
+
+    def start(self, verified_len: int) -> None:
+        """Begin a new draft block right after ``verified_len`` verified positions."""
+
+    def step(self, token: int) -> tuple[Tensor, float | None]:
+        """Feed the next token of the block; return draft logits (``[V]`` float32) for the token after
+        it and the probability that this draft will be accepted (None if the drafter has no estimate)."""
+
+
+@dataclass
+class CostModel:
+    """Measured seconds of one draft step and of verify passes over 1..k tokens."""
+
+    draft: float
+    verify: list[float]  # verify[k-1] = cost of a slow pass over k tokens
+
+    def best_length(self, accept: float, cap: int) -> int:
+        """Draft length g maximising expected emitted tokens ``(1 - a^(g+1)) / (1 - a)`` per second."""
+        a = min(max(accept, 0.0), 0.99)
+        best, best_rate = 0, 1.0 / self.verify[0]
+        for g in range(1, min(cap, len(self.verify) - 1) + 1):
+            rate = ((1 - a ** (g + 1)) / (1 - a)) / (g * self.draft + self.verify[g])
+            if rate > best_rate:
+                best, best_rate = g, rate
+        return best
+
+
+class SelfSpeculative:
+    """Draft with a :class:`Drafter`, verify with the slow model, roll the KV cache back."""
+
+    def __init__(
+        self,
+        name: str,
+        model: Transformer,
+        make_drafter: Callable[[object], Drafter],
+        eos_ids: list[int],
+        decode: Callable[[list[int]], str] | None = None,
+        max_draft: int = 8,
+        stop_below: float = 0.0,
+        costs: CostModel | None = None,
+        prior_accept: float = 0.5,
+    ) -> None:
+        if max_draft < 1:
+            raise SettingsError(f"max_draft must be >= 1, got {max_draft}")
+        if not 0.0 <= stop_below < 1.0:
+            raise SettingsError(f"stop_below must be in [0, 1), got {stop_below}")
+        self.name = name
+        self.model = model
+        self.make_drafter = make_drafter
+        self.eos_ids = eos_ids
+        self.decode = decode
+        self.max_draft = max_draft
+        self.stop_below = stop_below
+        self.costs = costs
+        self.prior_accept = prior_accept
+
+    @torch.inference_mode()
+    def generate(
+        self, prompt: list[int], gen: GenerationConfig, stream: StreamCallback | None = None
+    ) -> GenerationResult:
+        gen.validate()
+        model = self.model
+        ctx = model.cfg.max_position_embeddings
+        check_prompt(prompt, ctx)
+        t0 = time.perf_counter()
+        stopper = Stopper(gen, self.eos_ids, self.decode, ctx - len(prompt))
+        sampler = Sampler(gen, model.device)
+        # room for the answer plus one over-long draft block past the budget
+        cache = model.new_cache(min(ctx, len(prompt) + stopper.budget + self.max_draft + 1))
+        drafter = self.make_drafter(cache)
+        logits = model(torch.tensor([prompt], device=model.device), cache, 0, last_only=True)
+        tok = sampler(logits[0, -1])
+        emitted = [tok]
+        passes = drafted = accepted = draft_steps = 0
+        accept_rate = self.prior_accept
+        while True:
+            kept = stopper.push(emitted)
+            if kept and stream is not None:
+                stream(emitted[:kept])
+            if stopper.done:
+                break
+            verified = cache.length
+            room = min(stopper.budget - len(stopper.tokens) - 1, cache.max_len - verified - 1)
+            cap = min(self.max_draft, room)
+            if self.costs is not None:
+                cap = self.costs.best_length(accept_rate, cap)
+            drafts, qs = self._draft(drafter, tok, verified, cap, gen, sampler)
+            draft_steps += len(drafts)
+            block = torch.tensor([[tok, *drafts]], device=model.device)
+            verify = model(block, cache, verified)[0]  # [g+1, V]
+            passes += 1
+            n, nxt = self._accept(drafts, qs, verify, gen, sampler)
+            drafted += len(drafts)
+            accepted += n
+            if drafts:  # running per-draft acceptance, for the next round's draft length
+                accept_rate = 0.8 * accept_rate + 0.2 * (n / len(drafts))
+            cache.truncate(verified + 1 + n)
+            emitted = [*drafts[:n], nxt]
+            tok = nxt
+        ntok = max(len(stopper.tokens), 1)
+        n_layers = model.cfg.num_layers
+        return GenerationResult(
+            tokens=stopper.tokens,
+            seconds=time.perf_counter() - t0,
+            stop_reason=str(stopper.reason),
+            prompt_tokens=len(prompt),
+            stats={
+                "verify_passes": passes,
+                "mean_accepted": (accepted + passes) / passes if passes else 0.0,
+                "acceptance_rate": accepted / drafted if drafted else 0.0,
+                "verify_passes_per_token": passes / ntok,
+                "draft_layers_per_token": draft_steps * drafter.layers_per_step / ntok,
+                "layers_per_token": (passes * n_layers + draft_steps * drafter.layers_per_step) / ntok,
+            },
+        )
+
+    def _draft(
+        self, drafter: Drafter, tok: int, verified: int, cap: int, gen: GenerationConfig, sampler: Sampler
+    ) -> tuple[list[int], list[Tensor]]:
+        drafts: list[int] = []
+        qs: list[Tensor] = []
+        if cap <= 0:
+            return drafts, qs
+        drafter.start(verified)
+        x = tok
+        for _ in range(cap):
+            logits, p_accept = drafter.step(x)
+            if gen.greedy:
+                x = int(logits.argmax())
+            else:
+                q = warp_probs(logits, gen)
+                x = int(torch.multinomial(q, 1, generator=sampler.rng))
+                qs.append(q)
+            drafts.append(x)
+            if p_accept is not None and p_accept < self.stop_below:
+                break
+        return drafts, qs
+
+    @staticmethod
+    def _accept(
+        drafts: list[int], qs: list[Tensor], verify: Tensor, gen: GenerationConfig, sampler: Sampler
+    ) -> tuple[int, int]:
+        """Number of drafts kept and the slow model's next token after them."""
+        if gen.greedy:
+            target = verify.argmax(-1).tolist()
+            n = 0
+            while n < len(drafts) and drafts[n] == target[n]:
+                n += 1
+            return n, int(target[n])
+        p = warp_probs(verify, gen)
+        rng = sampler.rng
+        for i, d in enumerate(drafts):
+            q = qs[i]
+            if float(torch.rand((), generator=rng)) * float(q[d]) < float(p[i, d]):
+                continue  # accepted with probability min(1, p/q)
+            residual = (p[i] - q).clamp_min(0)
+            total = float(residual.sum())
+            dist = residual / total if total > 0 else p[i]
+            return i, int(torch.multinomial(dist, 1, generator=rng))
+        return len(drafts), int(torch.multinomial(p[len(drafts)], 1, generator=rng))
+
+
+def measure_costs(model: Transformer, drafter_factory: Callable[[object], Drafter], k_max: int, repeats: int = 3) -> CostModel:
+    """Time one draft step and verify passes of 1..k_max+1 tokens at a 128-token context (medians).
+
+    Done once per strategy: these costs are machine-specific (on a CPU bf16 a verify pass of 8
+    tokens costs little more than one, in fp32 far more), which is why the cap is measured.
+    """
+    ctx = 128
+    cache = model.new_cache(ctx + k_max + 2)
+    ids = torch.arange(ctx, device=model.device)[None] % model.cfg.vocab_size
+    with torch.inference_mode():
+        model(ids, cache, 0, last_only=True)
+
+        def median(f: Callable[[], object]) -> float:
+            f()
+            ts = []
+            for _ in range(repeats):
+                t = time.perf_counter()
+                f()
+                ts.append(time.perf_counter() - t)
+            return sorted(ts)[len(ts) // 2]
+
+        verify = []
+        for k in range(1, k_max + 2):
+            block = torch.ones(1, k, dtype=torch.long, device=model.device)
+            verify.append(median(lambda block=block: model(block, cache, ctx)))
+        drafter = drafter_factory(cache)
+
+        def one_draft() -> None:
+            drafter.start(ctx)
+            drafter.step(1)
+
+        draft = median(one_draft)
+    return CostModel(draft=draft, verify=verify)

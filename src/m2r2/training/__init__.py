@@ -1,0 +1,1 @@
+"""M2R2 training: self-distillation data, the training loop (accelerate) and checkpoints."""

@@ -1,0 +1,57 @@
+"""Training checkpoints: written atomically, refused when they do not belong to the run resuming them.
+
+A checkpoint holds the trainable state (adapters + ARLA), the optimiser state and the step. Data
+order, block lengths and router subsamples are pure functions of ``(seed, step)``, so nothing else
+is needed for a resumed run to continue bit-for-bit.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from m2r2.errors import SettingsError, WeightsError
+
+#: Settings that change the training trajectory; a resume must match them exactly.
+TRAJECTORY_KEYS = ("seed", "batch", "max_len", "lr", "warmup", "gamma_max", "align_w", "kl_w", "arla_w", "arla_frac")
+
+
+def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
+    """``torch.save`` into a temporary sibling, then rename: a crash never leaves half a checkpoint."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def load_checkpoint(path: Path, fingerprint: str, fast_cfg: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
+    """Read ``path`` and check it was written for this base model, fast stream and trajectory."""
+    if not path.is_file():
+        raise SettingsError(f"--resume: no checkpoint at {path}")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, OSError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile) as e:
+        raise WeightsError(f"checkpoint {path} is truncated or corrupt: {e}") from e
+    if not isinstance(state, dict) or "stream" not in state or "step" not in state:
+        raise WeightsError(f"{path} is not an m2r2 training checkpoint")
+    if state.get("fingerprint") != fingerprint:
+        raise SettingsError(f"checkpoint {path} was trained on another base model; refusing to resume")
+    if state.get("fast_config") != fast_cfg:
+        raise SettingsError(
+            f"checkpoint {path} has fast-stream config {state.get('fast_config')}, this run asks for {fast_cfg}"
+        )
+    theirs = state.get("settings", {})
+    diff = [k for k in TRAJECTORY_KEYS if theirs.get(k) != settings.get(k)]
+    if diff:
+        raise SettingsError(
+            f"checkpoint {path} was written with different settings ({', '.join(diff)}); resume with the same ones"
+        )
+    return state

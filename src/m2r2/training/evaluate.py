@@ -1,0 +1,132 @@
+"""Alignment report: how well each fast layer stands in for the full model, on eval prompts.
+
+Teacher-forced on the base model's own greedy answers (what a drafter must predict), per fast
+layer j: top-1 agreement of ``logits_j`` with the full model, cosine alignment of ``Norm(f_j)`` to
+the slow target ``Norm(h_{R*j})``, and ARLA's calibration (precision and coverage of the exits it
+allows at a few thresholds); side by side with the plain early exit ``W . Norm(h_j)`` at the same
+depth without adapters. Also an expected speculative speedup from the acceptance and the cost
+of a draft step relative to a full step (weights read per token: the LM head counts in both).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from m2r2.errors import InputError
+from m2r2.model import Transformer
+from m2r2.multirate.fast import FastStream, block_starts
+from m2r2.training.loop import collate, make_sequences
+
+THRESHOLDS = (0.5, 0.7, 0.9)
+
+
+def eval_prompts(dataset: str, root: Path, limit: int) -> list[str]:
+    """First turns of an eval set (``root/NAME.jsonl`` or a JSONL path)."""
+    path = Path(dataset) if dataset.endswith(".jsonl") else root / f"{dataset}.jsonl"
+    if not path.is_file():
+        raise InputError(f"eval set {path} not found")
+    items = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    return [it["turns"][0] for it in items[: limit or None]]
+
+
+def step_costs(model: Transformer, stream: FastStream) -> tuple[float, float]:
+    """Parameters read per token by a draft step and by a full step (decode on CPU is memory-bound)."""
+    layer = sum(p.numel() for p in model.layers[0].parameters())
+    head = model.cfg.vocab_size * model.cfg.hidden_size
+    lora = sum(p.numel() for p in stream.adapters[0].parameters())
+    return stream.cfg.depth * (layer + lora) + head, model.cfg.num_layers * layer + head
+
+
+def expected_speedup(alpha: float, cost_ratio: float, max_gamma: int = 8) -> tuple[float, int]:
+    """Best ``(speedup, gamma)`` for i.i.d. acceptance ``alpha`` (Leviathan et al.'s formula)."""
+    best = (1.0, 0)
+    for g in range(1, max_gamma + 1):
+        tokens = (1 - alpha ** (g + 1)) / (1 - alpha) if alpha < 1 else g + 1
+        best = max(best, (tokens / (g * cost_ratio + 1), g))
+    return best
+
+
+@torch.no_grad()
+def align_report(
+    stream: FastStream, records: list[dict[str, Any]], block: int = 1, batch: int = 4, max_len: int = 512
+) -> dict[str, Any]:
+    """Per-fast-layer metrics over ``records`` (prompt_ids + answer_ids), drafting blocks of ``block``."""
+    model, cfg = stream.base, stream.cfg
+    seqs = make_sequences(records, max_len)
+    k = cfg.depth
+    sums: dict[str, list[float]] = {n: [0.0] * (k + 1) for n in ("agree_fast", "agree_plain", "cos_fast", "cos_plain")}
+    probs: list[list[torch.Tensor]] = [[] for _ in range(k + 1)]
+    hits: list[list[torch.Tensor]] = [[] for _ in range(k + 1)]
+    count = 0
+    for i in range(0, len(seqs), batch):
+        tokens, mask = collate(seqs[i : i + batch])
+        tokens, mask = tokens.to(model.device), mask.to(model.device)
+        cache = model.new_cache(tokens.shape[1], batch=tokens.shape[0])
+        h = [model.embed_tokens(tokens)]
+        model.run_layers(h[0], cache, 0, h)
+        states = stream.forward_train(h[0], cache.k, cache.v, block_starts(tokens.shape[1], [block] * tokens.shape[1]))
+        top = model.head(h[-1][mask]).argmax(-1)
+        sel = [f[mask] for f in states]
+        count += top.shape[0]
+        for j in range(1, k + 1):
+            target = model.norm(h[cfg.target(j)][mask]).float()
+            fast_hit = model.head(sel[j]).argmax(-1) == top
+            sums["agree_fast"][j] += fast_hit.sum().item()
+            sums["agree_plain"][j] += (model.head(h[j][mask]).argmax(-1) == top).sum().item()
+            sums["cos_fast"][j] += F.cosine_similarity(model.norm(sel[j]).float(), target, dim=-1).sum().item()
+            sums["cos_plain"][j] += F.cosine_similarity(model.norm(h[j][mask]).float(), target, dim=-1).sum().item()
+            probs[j].append(torch.sigmoid(stream.arla(sel, j)).float().cpu())
+            hits[j].append(fast_hit.cpu())
+    if not count:
+        raise InputError("no answer positions to evaluate")
+    layers = []
+    for j in range(1, k + 1):
+        row: dict[str, Any] = {
+            "layer": j,
+            "base_layer": cfg.path[j - 1] + 1,
+            "target_layer": cfg.target(j),
+            "exit": j in cfg.exits,
+        }
+        row |= {n: v[j] / count for n, v in sums.items()}
+        p, y = torch.cat(probs[j]), torch.cat(hits[j]).float()
+        for t in THRESHOLDS:
+            on = p >= t
+            row[f"arla_precision@{t}"] = float(y[on].mean()) if bool(on.any()) else None
+            row[f"arla_coverage@{t}"] = float(on.float().mean())
+        layers.append(row)
+    draft, full = step_costs(model, stream)
+    alpha = layers[max(cfg.exits) - 1]["agree_fast"]
+    speed, gamma = expected_speedup(alpha, draft / full)
+    return {
+        "positions": count,
+        "block": block,
+        "config": cfg.to_dict(),
+        "layers": layers,
+        "draft_cost_ratio": draft / full,
+        "expected_speedup": speed,
+        "best_gamma": gamma,
+    }
+
+
+def markdown(rep: dict[str, Any]) -> str:
+    head = "| fast layer | base layer | target | agree fast | agree plain | cos fast | cos plain |"
+    head += "".join(f" ARLA prec/cov @{t} |" for t in THRESHOLDS)
+    lines = [head, "|" + "---|" * (7 + len(THRESHOLDS))]
+    for r in rep["layers"]:
+        cells = [f"{r['layer']}{'*' if r['exit'] else ''}", r["base_layer"], r["target_layer"]]
+        cells += [f"{r[n]:.3f}" for n in ("agree_fast", "agree_plain", "cos_fast", "cos_plain")]
+        for t in THRESHOLDS:
+            p = r[f"arla_precision@{t}"]
+            cells.append(f"{'-' if p is None else f'{p:.2f}'} / {r[f'arla_coverage@{t}']:.2f}")
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    lines.append(
+        f"\n{rep['positions']} answer positions, draft block {rep['block']}; * = trained exit. Draft step costs "
+        f"{rep['draft_cost_ratio']:.2f} of a full step; expected speculative speedup "
+        f"{rep['expected_speedup']:.2f}x at gamma={rep['best_gamma']}."
+    )
+    return "\n".join(lines)

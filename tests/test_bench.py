@@ -1,0 +1,186 @@
+"""Benchmark datasets and harness: loading and validation, then one small real run end to end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from m2r2.bench import datasets
+from m2r2.bench.datasets import DatasetError, load_dataset
+from m2r2.bench.harness import BenchSettings, run_bench
+from m2r2.errors import UnknownNameError
+
+ROWS = [
+    {"id": "a", "source": "t", "category": "math", "turns": ["What is 3 times 4?"]},
+    {"id": 7, "source": "t", "category": None, "turns": ["Name a fruit.", "Now name a vegetable."]},
+]
+
+
+def _write(path: Path, rows: list[dict] | list[str]) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+class Untouchable:
+    """An engine stand-in that fails if the harness uses it before validating its settings."""
+
+    def __getattr__(self, name: str):
+        raise AssertionError(f"engine.{name} used before settings were validated")
+
+
+# --------------------------------------------------------------------------- datasets
+
+
+def test_builtin_set() -> None:
+    data = load_dataset("builtin")
+    assert len(data.prompts) >= 10
+    assert len({p.id for p in data.prompts}) == len(data.prompts)
+    assert sum(len(p.turns) == 2 for p in data.prompts) >= 2
+    assert len(load_dataset("builtin", limit=3).prompts) == 3
+    assert len(load_dataset("builtin", limit=0).prompts) == len(data.prompts)
+
+
+def test_load_by_path_and_by_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = _write(tmp_path / "mine.jsonl", ROWS)
+    data = load_dataset(str(path))
+    assert data.name == "mine"
+    assert [(p.id, p.category, p.turns) for p in data.prompts] == [
+        ("a", "math", ("What is 3 times 4?",)),
+        ("7", None, ("Name a fruit.", "Now name a vegetable.")),
+    ]
+    # by name: found through $M2R2_SHARED (the shared dir), ahead of any ../shared
+    eval_dir = tmp_path / "shared" / "data" / "eval"
+    eval_dir.mkdir(parents=True)
+    _write(eval_dir / "mt_bench.jsonl", ROWS)
+    monkeypatch.setenv("M2R2_SHARED", str(tmp_path / "shared"))
+    data = load_dataset("mt_bench", limit=1)
+    assert (data.name, data.path, [p.id for p in data.prompts]) == ("mt_bench", eval_dir / "mt_bench.jsonl", ["a"])
+
+
+def test_real_shared_mt_bench_has_two_turns() -> None:
+    if datasets.shared_eval_dir() is None:
+        pytest.skip("no shared/data/eval here")
+    data = load_dataset("mt_bench")
+    assert len(data.prompts) > 10 and all(len(p.turns) == 2 for p in data.prompts)
+
+
+def test_builtin_fallback_without_shared(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setattr(datasets, "shared_eval_dir", lambda: None)
+    data = load_dataset("koala")
+    assert data.name == "builtin (for koala)"
+    assert data.prompts == load_dataset("builtin").prompts
+    assert "M2R2_SHARED" in capsys.readouterr().err
+
+
+def test_unknown_dataset_lists_valid_names() -> None:
+    with pytest.raises(UnknownNameError, match=r"mt_bench.*builtin"):
+        load_dataset("mt-bench")
+
+
+@pytest.mark.parametrize(
+    ("lines", "match"),
+    [
+        ([json.dumps(ROWS[0]), '{"id": "b", "turns": ["x"'], r"bad\.jsonl:2: not valid JSON"),
+        ([json.dumps({"id": "b", "turns": []})], r":1: 'turns' must be a non-empty list"),
+        ([json.dumps({"id": "b", "prompt": "hello"})], r":1: 'turns'"),
+        ([json.dumps({"turns": ["hi"]})], r":1: 'id'"),
+        (["[1, 2]"], r":1: expected a JSON object"),
+        (["", "  "], "holds no prompts"),
+    ],
+)
+def test_malformed_jsonl_is_a_clear_error(tmp_path: Path, lines: list[str], match: str) -> None:
+    path = _write(tmp_path / "bad.jsonl", lines)
+    with pytest.raises(DatasetError, match=match):
+        load_dataset(str(path))
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(DatasetError, match="no such prompt file"):
+        load_dataset(str(tmp_path / "nope.jsonl"))
+
+
+# --------------------------------------------------------------------------- harness
+
+
+def _settings(tmp_path: Path, **kw) -> BenchSettings:
+    base = dict(dataset="builtin", methods=["vanilla"], limit=1, max_new_tokens=4, out_dir=tmp_path / "out")
+    return BenchSettings(**{**base, **kw})
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"methods": ["vanilla", "nope"]}, r"unknown method.*nope"),
+        ({"dataset": "nope"}, "unknown dataset 'nope'"),
+        ({"suite": "paper"}, "unknown suite 'paper'"),
+    ],
+)
+def test_names_are_checked_before_any_work(tmp_path: Path, kw: dict, match: str) -> None:
+    with pytest.raises(UnknownNameError, match=match):
+        run_bench(Untouchable(), _settings(tmp_path, **kw))  # type: ignore[arg-type]
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from m2r2.engine import Engine
+    from m2r2.errors import WeightsError
+
+    try:
+        return Engine(dtype="fp32", quiet=True)
+    except WeightsError as e:
+        pytest.skip(f"bundled model unavailable: {e}")
+
+
+@pytest.mark.slow
+def test_run_bench_end_to_end(engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[str, list[dict[str, str]], str]] = []
+    chat = engine.chat
+
+    def spy(messages, method="vanilla", gen=None, **kw):
+        out = chat(messages, method=method, gen=gen, **kw)
+        calls.append((method, [dict(m) for m in messages], out.text))
+        return out
+
+    monkeypatch.setattr(engine, "chat", spy)
+    path = _write(tmp_path / "two.jsonl", ROWS)
+    settings = _settings(tmp_path, dataset=str(path), methods=["vanilla", "hf", "hf-pld"], limit=0, max_new_tokens=12)
+    res = run_bench(engine, settings)
+
+    saved = json.loads((tmp_path / "out" / "results.json").read_text())
+    for key in (
+        "dataset", "n_prompts", "max_new_tokens", "dtype", "kernel", "threads", "torch_version",
+        "transformers_version", "cpu", "device", "model", "date", "command", "methods", "prompts",
+    ):  # fmt: skip
+        assert key in saved, key
+    assert (saved["dataset"], saved["n_prompts"], saved["max_new_tokens"], saved["dtype"]) == ("two", 2, 12, "fp32")
+    assert saved["model"] == engine.model_dir.name
+    methods = saved["methods"]
+    assert list(methods) == ["vanilla", "hf", "hf-pld"]
+    for name, m in methods.items():
+        assert m["identical"] == 1.0, name  # fp32 greedy: transformers and PLD match vanilla exactly
+        assert m["tokens_per_s"] > 0 and m["total_seconds"] > 0 and 0 < m["mean_new_tokens"] <= 24
+        assert m["forward_passes"] >= 1  # numeric stats averaged per method
+    assert methods["vanilla"]["speedup"] == 1.0 and methods["vanilla"]["layers_per_token"] == 30
+    assert "mean_accepted" in methods["hf-pld"]
+
+    two_turn = saved["prompts"][1]
+    assert (two_turn["id"], two_turn["turns"]) == ("7", 2)
+    for name in methods:
+        row = two_turn["methods"][name]
+        assert len(row["ids"]) == 2 and row["tokens"] == sum(map(len, row["ids"]))
+    # the second turn sees the method's own first answer; warm-up (1 prompt x 3 methods) came first
+    timed = calls[3:]
+    assert len(timed) == 3 * 3
+    for method in methods:
+        first, second = [
+            (msgs, text) for m, msgs, text in timed if m == method and msgs[0]["content"] == "Name a fruit."
+        ]
+        assert second[0][1] == {"role": "assistant", "content": first[1]}
+
+    md = (tmp_path / "out" / "results.md").read_text()
+    assert "fp32" in md.splitlines()[0] and "| two | hf-pld |" in md
+    assert res["markdown"] == md and "markdown" not in saved
+    assert (tmp_path / "out" / "speed.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

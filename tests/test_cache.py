@@ -1,0 +1,121 @@
+"""The preallocated KV cache: append, truncate / rollback, overflow (fp32 tiny models, ``atol=1e-5``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import TINY_VOCAB
+from m2r2.cache import KVCache
+from m2r2.config import ModelConfig
+from m2r2.errors import InputError
+from m2r2.loading import load_model
+from m2r2.model import Transformer
+
+ATOL = 1e-5
+
+
+def rand_tokens(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, TINY_VOCAB, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(params=[{"arch": "llama"}, {"arch": "mistral", "sliding_window": 8}], ids=["llama", "mistral-window8"])
+def model(request, tiny_model) -> Transformer:
+    return load_model(tiny_model(**request.param), torch.float32, kernel="plain").model
+
+
+def test_shape_and_dtype() -> None:
+    cfg = ModelConfig(num_layers=3, num_kv_heads=2, head_dim=8)
+    c = KVCache(cfg, max_len=10, batch=2, dtype=torch.bfloat16)
+    assert c.k.shape == c.v.shape == (3, 2, 2, 10, 8)
+    assert c.k.dtype == torch.bfloat16 and c.batch == 2 and c.length == 0 and c.max_len == 10
+
+
+def test_write_view_and_overflow() -> None:
+    cfg = ModelConfig(num_layers=1, num_kv_heads=1, head_dim=4)
+    c = KVCache(cfg, max_len=5)
+    k = torch.arange(12.0).view(1, 1, 3, 4)
+    c.write(0, 1, k, -k)
+    keys, values = c.view(0, 4)
+    torch.testing.assert_close(keys[:, :, 1:4], k, atol=0, rtol=0)
+    torch.testing.assert_close(values[:, :, 1:4], -k, atol=0, rtol=0)
+    assert keys.shape[2] == 4
+    with pytest.raises(InputError, match="overflow"):
+        c.write(0, 3, k, k)  # positions 3..5 > capacity 5
+
+
+@pytest.mark.parametrize("max_len", [0, -3])
+def test_non_positive_length_rejected(max_len: int) -> None:
+    with pytest.raises(InputError):
+        KVCache(ModelConfig(), max_len=max_len)
+
+
+def test_truncate_bounds() -> None:
+    c = KVCache(ModelConfig(num_layers=1), max_len=8)
+    c.length = 5
+    c.truncate(5)
+    c.truncate(2)
+    assert c.length == 2
+    for bad in (3, -1):
+        with pytest.raises(ValueError):
+            c.truncate(bad)
+    assert c.length == 2
+
+
+@torch.inference_mode()
+def test_forward_past_capacity_raises_input_error(model: Transformer) -> None:
+    cache = model.new_cache(10)
+    with pytest.raises(InputError):
+        model(rand_tokens(11, seed=0), cache, 0)
+    model(rand_tokens(8, seed=0), cache, 0)
+    with pytest.raises(InputError):
+        model(rand_tokens(3, seed=1), cache)  # 8 + 3 > 10
+    assert cache.length == 8  # a refused append leaves the verified prefix alone
+    model(rand_tokens(2, seed=1), cache)  # exactly full is fine
+    assert cache.length == 10
+
+
+@torch.inference_mode()
+def test_forward_advances_length(model: Transformer) -> None:
+    cache = model.new_cache(32)
+    model(rand_tokens(5, seed=2), cache, 0)
+    assert cache.length == 5
+    model(rand_tokens(3, seed=3), cache)
+    assert cache.length == 8
+
+
+@pytest.mark.parametrize("accepted", [0, 2, 5])
+@torch.inference_mode()
+def test_rollback_then_reappend_equals_fresh_prefill(model: Transformer, accepted: int) -> None:
+    """Speculative decoding's pattern: append a 5-token draft, keep ``accepted`` of it, append others."""
+    prompt, draft, other = rand_tokens(14, seed=4), rand_tokens(5, seed=5), rand_tokens(4, seed=6)
+    cache = model.new_cache(32)
+    model(prompt, cache, 0)
+    model(draft, cache)
+    cache.truncate(14 + accepted)
+    got = model(other, cache)
+
+    seq = torch.cat([prompt, draft[:, :accepted], other], dim=1)
+    fresh_cache = model.new_cache(32)
+    fresh = model(seq, fresh_cache, 0)
+    n = seq.shape[1]
+    assert cache.length == fresh_cache.length == n
+    torch.testing.assert_close(got, fresh[:, -4:], atol=ATOL, rtol=0)
+    torch.testing.assert_close(cache.k[:, :, :, :n], fresh_cache.k[:, :, :, :n], atol=ATOL, rtol=0)
+    torch.testing.assert_close(cache.v[:, :, :, :n], fresh_cache.v[:, :, :, :n], atol=ATOL, rtol=0)
+    if accepted < 5:
+        # the rejected draft tokens really were in the cache, and really are gone from the result
+        no_rollback = model(other, model.new_cache(32), 0)
+        assert (got - no_rollback).abs().max() > 1e-3
+
+
+@torch.inference_mode()
+def test_explicit_pos_overwrites(model: Transformer) -> None:
+    """Writing at an explicit ``pos`` below the length replaces those entries (rollback by position)."""
+    a, b = rand_tokens(10, seed=7), rand_tokens(3, seed=8)
+    cache = model.new_cache(16)
+    model(a, cache, 0)
+    got = model(b, cache, 6)
+    assert cache.length == 9
+    fresh = model(torch.cat([a[:, :6], b], dim=1), model.new_cache(16), 0)
+    torch.testing.assert_close(got, fresh[:, 6:], atol=ATOL, rtol=0)
