@@ -118,6 +118,8 @@ def test_checkpoint_refusals(tmp_path):
         train(model, FastConfig.build(6, rate=3, rank=8), recs, settings(tmp_path, steps=3, resume=True), fp)
     with pytest.raises(SettingsError, match="different settings"):
         train(model, cfg, recs, settings(tmp_path, steps=3, resume=True, lr=0.5), fp)
+    with pytest.raises(SettingsError, match="other data"):
+        train(model, cfg, records(9, seed=3), settings(tmp_path, steps=3, resume=True), fp)
     ck = tmp_path / "checkpoint.pt"
     ck.write_bytes(ck.read_bytes()[:200])
     with pytest.raises(WeightsError, match="truncated or corrupt"):

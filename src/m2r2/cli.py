@@ -6,7 +6,7 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from m2r2.errors import M2R2Error
@@ -58,6 +58,35 @@ def _add_gen_args(p: argparse.ArgumentParser, method_default: str = "vanilla") -
     g.add_argument("--seed", type=int, default=None, help="seed for sampling (reproducible output)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--system", default=None, help="system prompt")
+    g.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="method option, repeatable (m2r2: adapters=PATH, max_draft=8, stop_below=0.2, adaptive=false; "
+        "lookahead: window=5, ngram=4, candidates=5; hf-early-exit: exit_layer=10)",
+    )
+
+
+def _method_options(pairs: list[str]) -> dict[str, object]:
+    """``["k=v", ...]`` -> ``{k: v}`` with ints, floats and booleans recognised."""
+    out: dict[str, object] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.strip():
+            raise M2R2Error(f"--option takes KEY=VALUE, got {pair!r}")
+        value: object = raw
+        if raw.lower() in ("true", "false"):
+            value = raw.lower() == "true"
+        else:
+            for cast in (int, float):
+                try:
+                    value = cast(raw)
+                    break
+                except ValueError:
+                    continue
+        out[key.strip().replace("-", "_")] = value
+    return out
 
 
 def _gen_config(args: argparse.Namespace):  # -> GenerationConfig
@@ -81,6 +110,27 @@ def _engine(args: argparse.Namespace, quiet: bool = False):  # -> Engine
     )
 
 
+class _Printer:
+    """Streaming callback: prints newly decoded text as token ids arrive.
+
+    Decoding the whole answer each time (not token by token) keeps multi-token characters and
+    word-joining spaces right; a trailing partial UTF-8 character waits for its next token.
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self.decode = decode
+        self.ids: list[int] = []
+        self.shown = ""
+
+    def __call__(self, ids: list[int]) -> None:
+        self.ids.extend(ids)
+        text = self.decode(self.ids)
+        if text.startswith(self.shown) and not text.endswith("\ufffd"):
+            sys.stdout.write(text[len(self.shown) :])
+            sys.stdout.flush()
+            self.shown = text
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from m2r2.tokenizer import messages_for
 
@@ -90,21 +140,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise M2R2Error("the prompt is empty")
     engine = _engine(args, quiet=args.json)
     messages = messages_for(prompt, args.system)
-    stream = None
-    if not args.json and not args.no_stream:
-        printed: list[int] = []
-        shown = [""]
-
-        def stream(ids: list[int]) -> None:
-            printed.extend(ids)
-            text = engine.tokenizer.decode(printed)
-            # print only what is new; a partial UTF-8 character shows up once complete
-            if text.startswith(shown[0]) and not text.endswith("\ufffd"):
-                sys.stdout.write(text[len(shown[0]) :])
-                sys.stdout.flush()
-                shown[0] = text
-
-    out = engine.chat(messages, method=args.method, gen=gen, stream=stream)
+    stream = None if args.json or args.no_stream else _Printer(engine.tokenizer.decode)
+    out = engine.chat(messages, method=args.method, gen=gen, stream=stream, **_method_options(args.option))
     if args.json:
         print(json.dumps(out.to_json(), ensure_ascii=False))
         return 0
@@ -138,20 +175,15 @@ def cmd_chat(args: argparse.Namespace) -> int:
             history.clear()
             continue
         messages = messages_for(line, args.system, history)
-        printed: list[int] = []
-        shown = [""]
-
-        def stream(ids: list[int]) -> None:
-            printed.extend(ids)
-            text = engine.tokenizer.decode(printed)
-            if text.startswith(shown[0]) and not text.endswith("\ufffd"):
-                sys.stdout.write(text[len(shown[0]) :])
-                sys.stdout.flush()
-                shown[0] = text
-
         sys.stdout.write("bot> ")
         try:
-            out = engine.chat(messages, method=args.method, gen=gen, stream=stream)
+            out = engine.chat(
+                messages,
+                method=args.method,
+                gen=gen,
+                stream=_Printer(engine.tokenizer.decode),
+                **_method_options(args.option),
+            )
         except M2R2Error as e:
             print(f"\nerror: {e}", file=sys.stderr)
             continue
@@ -326,7 +358,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="mt_bench",
         help="mt_bench, koala, self_instruct, wizardlm, vicuna, spec_bench, builtin, or a JSONL path",
     )
-    b.add_argument("--suite", default=None, help="a named set of datasets and methods (see docs)")
+    b.add_argument(
+        "--suite",
+        default=None,
+        help="a named set of runs that replaces --dataset/--methods: 'paper' = MT-Bench, Koala, "
+        "Self-Instruct, WizardLM x (vanilla, m2r2, early-exit-spec, lookahead, hf, hf-pld, hf-early-exit)",
+    )
     b.add_argument("--methods", default="vanilla,hf,hf-pld", help="comma-separated methods; the first is the baseline")
     b.add_argument("--limit", type=int, default=10, help="number of prompts (default 10; 0 = all)")
     b.add_argument("--max-new-tokens", type=int, default=128, help="token budget per turn (default 128)")

@@ -48,8 +48,7 @@ class ModelConfig:
             raise UnsupportedModelError(f"head counts must be positive, got {self.num_heads} / {self.num_kv_heads}")
         if self.num_heads % self.num_kv_heads:
             raise UnsupportedModelError(
-                f"num_attention_heads={self.num_heads} is not a multiple of "
-                f"num_key_value_heads={self.num_kv_heads}"
+                f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}"
             )
 
     @property

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from m2r2.decoding import build_strategy, method_names
+from m2r2.decoding import build_strategy, method_names, method_options
 from m2r2.decoding.base import GenerationConfig, GenerationResult, Strategy, StreamCallback, trim_stop_text
 from m2r2.errors import SettingsError, UnknownNameError
 from m2r2.loading import load_model, resolve_model
@@ -109,6 +109,11 @@ class Engine:
             raise UnknownNameError(f"unknown method {method!r}; choose from {', '.join(method_names())}")
         key = (method, tuple(sorted(options.items())))
         if key not in self._strategies:
+            accepted = method_options(method)
+            if bad := [k for k in options if k not in accepted]:
+                raise SettingsError(
+                    f"method {method!r} takes no option {', '.join(bad)}; its options: {', '.join(accepted) or 'none'}"
+                )
             self._strategies[key] = build_strategy(method, self, **options)
         return self._strategies[key]
 

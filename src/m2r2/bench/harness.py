@@ -29,8 +29,12 @@ from m2r2.errors import SettingsError, UnknownNameError
 if TYPE_CHECKING:
     from m2r2.engine import Engine
 
+#: The self-speculative comparison of the paper: ours, its ablation, and every peer, vanilla first.
+PAPER_METHODS = ["vanilla", "m2r2", "early-exit-spec", "lookahead", "hf", "hf-pld", "hf-early-exit"]
 #: Named suites: each is a list of (dataset, methods) runs merged into one report.
-SUITES: dict[str, list[tuple[str, list[str]]]] = {}
+SUITES: dict[str, list[tuple[str, list[str]]]] = {
+    "paper": [(d, PAPER_METHODS) for d in ("mt_bench", "koala", "self_instruct", "wizardlm")],
+}
 
 
 @dataclass

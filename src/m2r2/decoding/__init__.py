@@ -6,6 +6,7 @@ benchmark harness only ever look methods up here, so adding a method is adding o
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -30,7 +31,7 @@ def register(name: str, help: str) -> Callable[[Factory], Factory]:
 
 def _load_builtin() -> None:
     # Imported for their @register side effects; kept lazy so `import m2r2` stays light.
-    from m2r2.decoding import autoregressive, hf, lookahead  # noqa: F401
+    from m2r2.decoding import autoregressive, hf, lookahead, speculative  # noqa: F401
 
 
 def method_names() -> list[str]:
@@ -41,6 +42,13 @@ def method_names() -> list[str]:
 def method_help() -> dict[str, str]:
     _load_builtin()
     return {k: v[1] for k, v in _REGISTRY.items()}
+
+
+def method_options(name: str) -> list[str]:
+    """Keyword options the factory of method ``name`` accepts (after the engine)."""
+    _load_builtin()
+    params = list(inspect.signature(_REGISTRY[name][0]).parameters.values())[1:]
+    return [p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
 def build_strategy(name: str, engine: Engine, **options: Any) -> Strategy:

@@ -20,7 +20,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import Tensor
@@ -34,8 +35,14 @@ from m2r2.decoding.base import (
     check_prompt,
     warp_probs,
 )
+from m2r2.cache import KVCache
+from m2r2.decoding import register
 from m2r2.errors import SettingsError
 from m2r2.model import Transformer
+from m2r2.multirate.fast import DraftBlock, FastConfig, FastStream
+
+if TYPE_CHECKING:
+    from m2r2.engine import Engine
 
 
 class Drafter(Protocol):
@@ -98,6 +105,7 @@ class SelfSpeculative:
         self.stop_below = stop_below
         self.costs = costs
         self.prior_accept = prior_accept
+        self.last_cache: KVCache | None = None  # the last generation's cache, for inspection and tests
 
     @torch.inference_mode()
     def generate(
@@ -112,6 +120,7 @@ class SelfSpeculative:
         sampler = Sampler(gen, model.device)
         # room for the answer plus one over-long draft block past the budget
         cache = model.new_cache(min(ctx, len(prompt) + stopper.budget + self.max_draft + 1))
+        self.last_cache = cache
         drafter = self.make_drafter(cache)
         logits = model(torch.tensor([prompt], device=model.device), cache, 0, last_only=True)
         tok = sampler(logits[0, -1])
@@ -205,7 +214,9 @@ class SelfSpeculative:
         return len(drafts), int(torch.multinomial(p[len(drafts)], 1, generator=rng))
 
 
-def measure_costs(model: Transformer, drafter_factory: Callable[[object], Drafter], k_max: int, repeats: int = 3) -> CostModel:
+def measure_costs(
+    model: Transformer, drafter_factory: Callable[[object], Drafter], k_max: int, repeats: int = 3
+) -> CostModel:
     """Time one draft step and verify passes of 1..k_max+1 tokens at a 128-token context (medians).
 
     Done once per strategy: these costs are machine-specific (on a CPU bf16 a verify pass of 8
@@ -238,3 +249,89 @@ def measure_costs(model: Transformer, drafter_factory: Callable[[object], Drafte
 
         draft = median(one_draft)
     return CostModel(draft=draft, verify=verify)
+
+
+class FastStreamDrafter:
+    """Drafts with the M2R2 fast stream: the path's base layers + adapters over the shared slow cache.
+
+    ``use_arla`` returns ARLA's acceptance estimate so drafting can stop early; without it the
+    draft's own top-1 probability serves (CALM-style confidence).
+    """
+
+    def __init__(self, fast: FastStream, cache: KVCache, exit: int | None = None, use_arla: bool = True) -> None:
+        self.fast, self.cache = fast, cache
+        self.exit = exit or fast.cfg.depth
+        self.use_arla = use_arla
+        self.layers_per_step = fast.cfg.depth
+        self.verified = 0
+        self.block: DraftBlock | None = None
+
+    def start(self, verified_len: int) -> None:
+        self.verified, self.block = verified_len, None
+
+    def step(self, token: int) -> tuple[Tensor, float | None]:
+        ids = torch.tensor([[token]], device=self.fast.base.device)
+        out = self.fast.draft_step(ids, self.cache, self.verified, self.block, self.exit)
+        self.block = out.block
+        logits = out.logits[0, -1]
+        if self.use_arla:
+            return logits, float(self.fast.exit_probability([s[0, -1] for s in out.states], self.exit))
+        return logits, float(torch.softmax(logits, -1).max())
+
+
+def build_self_speculative(
+    name: str,
+    engine: Engine,
+    fast: FastStream,
+    max_draft: int = 8,
+    stop_below: float = 0.2,
+    use_arla: bool = True,
+    adaptive: bool = True,
+) -> SelfSpeculative:
+    """A :class:`SelfSpeculative` strategy drafting with ``fast`` on the engine's model."""
+    fast.to(engine.model.device).freeze()
+
+    def make(cache: object) -> Drafter:
+        return FastStreamDrafter(fast, cache, use_arla=use_arla)  # type: ignore[arg-type]
+
+    costs = measure_costs(engine.model, make, max_draft) if adaptive else None
+    return SelfSpeculative(
+        name,
+        engine.model,
+        make,
+        engine.tokenizer.eos_ids,
+        engine.tokenizer.decode,
+        max_draft=max_draft,
+        stop_below=stop_below,
+        costs=costs,
+    )
+
+
+@register("m2r2", "M2R2 self-speculative decoding: the fast stream drafts, the slow stream verifies (lossless)")
+def _m2r2(
+    engine: Engine,
+    adapters: str | None = None,
+    max_draft: int = 8,
+    stop_below: float = 0.2,
+    use_arla: bool = True,
+    adaptive: bool = True,
+) -> SelfSpeculative:
+    from m2r2.multirate.io import load_default
+
+    fast = load_default(engine.model, engine.fingerprint, Path(adapters) if adapters else None)
+    return build_self_speculative("m2r2", engine, fast, max_draft, stop_below, use_arla, adaptive)
+
+
+@register("early-exit-spec", "ablation: the same self-speculative loop drafting by plain early exit (no adapters)")
+def _early_exit_spec(
+    engine: Engine, depth: int | None = None, max_draft: int = 8, stop_below: float = 0.2, adaptive: bool = True
+) -> SelfSpeculative:
+    from m2r2.multirate.io import bundled_adapters, read_meta
+
+    if depth is None:  # same draft layers as the shipped adapters, so the ablation isolates them
+        shipped = bundled_adapters(engine.fingerprint)
+        depth = len(read_meta(shipped)["config"]["path"]) if shipped else engine.model.cfg.num_layers // 3
+    cfg = FastConfig.build(engine.model.cfg.num_layers, depth=depth, rank=1)
+    fast = FastStream(engine.model, cfg)  # zero-initialised B: every adapter delta is exactly zero
+    fast.skip_adapters = True
+    return build_self_speculative("early-exit-spec", engine, fast, max_draft, stop_below, False, adaptive)

@@ -32,7 +32,9 @@ def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def load_checkpoint(path: Path, fingerprint: str, fast_cfg: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
+def load_checkpoint(
+    path: Path, fingerprint: str, fast_cfg: dict[str, Any], settings: dict[str, Any], data_hash: str | None = None
+) -> dict[str, Any]:
     """Read ``path`` and check it was written for this base model, fast stream and trajectory."""
     if not path.is_file():
         raise SettingsError(f"--resume: no checkpoint at {path}")
@@ -48,6 +50,8 @@ def load_checkpoint(path: Path, fingerprint: str, fast_cfg: dict[str, Any], sett
         raise SettingsError(
             f"checkpoint {path} has fast-stream config {state.get('fast_config')}, this run asks for {fast_cfg}"
         )
+    if data_hash is not None and state.get("data_hash") not in (None, data_hash):
+        raise SettingsError(f"checkpoint {path} was trained on other data; resume with the same --data and --max-len")
     theirs = state.get("settings", {})
     diff = [k for k in TRAJECTORY_KEYS if theirs.get(k) != settings.get(k)]
     if diff:

@@ -17,6 +17,8 @@ run continues bit-for-bit. Runs single-process or under ``accelerate launch`` / 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import time
 from collections.abc import Callable
@@ -192,8 +194,9 @@ def train(
     opt = torch.optim.AdamW(stream.parameters(), lr=s.lr, weight_decay=0.0)
     ckpt = Path(s.out) / "checkpoint.pt"
     step = 0
+    data_hash = hashlib.sha256(json.dumps(seqs).encode()).hexdigest()[:16]
     if s.resume:
-        state = load_checkpoint(ckpt, fingerprint, fast_cfg.to_dict(), s.to_dict())
+        state = load_checkpoint(ckpt, fingerprint, fast_cfg.to_dict(), s.to_dict(), data_hash)
         stream.load_state_dict(state["stream"])
         opt.load_state_dict(state["optimizer"])
         step = int(state["step"])
@@ -209,6 +212,7 @@ def train(
             "fingerprint": fingerprint,
             "fast_config": fast_cfg.to_dict(),
             "settings": s.to_dict(),
+            "data_hash": data_hash,
         }
         save_checkpoint(ckpt, st)
         info = {

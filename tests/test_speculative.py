@@ -1,0 +1,254 @@
+"""Self-speculative and lookahead decoding are lossless: property tests on many tiny random models."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from m2r2.config import ModelConfig
+from m2r2.decoding.autoregressive import Autoregressive
+from m2r2.decoding.base import GenerationConfig
+from m2r2.decoding.lookahead import Lookahead
+from m2r2.decoding.speculative import CostModel, FastStreamDrafter, SelfSpeculative
+from m2r2.errors import SettingsError
+from m2r2.model import Transformer
+from m2r2.multirate.fast import FastConfig, FastStream
+
+
+def tiny_model(seed: int, vocab: int = 64, layers: int = 4, dtype: torch.dtype = torch.float32) -> Transformer:
+    torch.manual_seed(seed)
+    cfg = ModelConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=layers,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        max_position_embeddings=512,
+    )
+    model = Transformer(cfg)
+    with torch.no_grad():  # larger embeddings: peaked, repetitive distributions like a real LM
+        model.embed.weight.mul_(4)
+    model = model.to(dtype).eval()
+    model.reset_rope()
+    return model
+
+
+def fast_stream(model: Transformer, depth: int, noise: float, seed: int) -> FastStream:
+    """A fast stream over the first ``depth`` layers; ``noise`` > 0 perturbs its adapters."""
+    fast = FastStream(model, FastConfig.build(model.cfg.num_layers, depth=depth, rank=4))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in fast.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * noise)
+    return fast.freeze()
+
+
+def spec(model: Transformer, fast: FastStream, max_draft: int, stop_below: float = 0.0, eos=(), **kw):
+    return SelfSpeculative(
+        "m2r2",
+        model,
+        lambda cache: FastStreamDrafter(fast, cache, use_arla=stop_below > 0),
+        list(eos),
+        max_draft=max_draft,
+        stop_below=stop_below,
+        **kw,
+    )
+
+
+CASES = [
+    # seed, depth of fast stream, adapter noise, max draft, dtype
+    (seed, depth, noise, gamma, dtype)
+    for seed, (depth, noise, gamma, dtype) in enumerate(
+        [
+            (1, 0.0, 1, torch.float32),
+            (2, 0.05, 3, torch.float32),
+            (3, 0.2, 8, torch.float32),
+            (4, 0.0, 5, torch.float32),  # full depth, no noise: a perfect drafter
+            (2, 0.1, 4, torch.bfloat16),
+            (1, 0.3, 2, torch.bfloat16),
+            (4, 0.0, 8, torch.bfloat16),
+            (3, 0.02, 6, torch.float32),
+        ]
+        * 3
+    )
+]
+
+
+@pytest.mark.parametrize(("seed", "depth", "noise", "gamma", "dtype"), CASES)
+def test_greedy_speculative_equals_plain_greedy(seed, depth, noise, gamma, dtype):
+    rng = random.Random(seed)
+    model = tiny_model(seed, dtype=dtype)
+    fast = fast_stream(model, depth, noise, seed)
+    for _ in range(3):
+        prompt = [rng.randrange(64) for _ in range(rng.randint(1, 30))]
+        gen = GenerationConfig(max_new_tokens=rng.randint(1, 60))
+        ref = Autoregressive(model, []).generate(prompt, gen)
+        out = spec(model, fast, gamma, stop_below=rng.choice([0.0, 0.3])).generate(prompt, gen)
+        assert out.tokens == ref.tokens
+        assert out.stop_reason == ref.stop_reason
+        assert out.stats["verify_passes"] <= len(ref.tokens)
+        if depth == model.cfg.num_layers and noise == 0.0 and len(ref.tokens) > 1:
+            # the perfect drafter is always accepted: every verify pass emits the whole block
+            assert out.stats["acceptance_rate"] == 1.0
+
+
+def test_eos_and_budget_inside_a_draft_block():
+    model = tiny_model(7)
+    fast = fast_stream(model, model.cfg.num_layers, 0.0, 7)  # accepts everything: blocks of 8
+    prompt = [3, 1, 4, 1, 5]
+    free = Autoregressive(model, []).generate(prompt, GenerationConfig(max_new_tokens=40)).tokens
+    # an EOS that first appears mid-block
+    eos = free[5]
+    cut = free.index(eos)
+    ref = Autoregressive(model, [eos]).generate(prompt, GenerationConfig(max_new_tokens=40))
+    out = spec(model, fast, 8, eos=[eos]).generate(prompt, GenerationConfig(max_new_tokens=40))
+    assert out.tokens == ref.tokens == free[:cut]
+    assert out.stop_reason == "eos"
+    for budget in (1, 2, 7, 9, 13):
+        out = spec(model, fast, 8).generate(prompt, GenerationConfig(max_new_tokens=budget))
+        assert out.tokens == free[:budget]
+        assert out.stop_reason == "max_new_tokens"
+
+
+def test_streaming_sees_exactly_the_output():
+    model = tiny_model(11)
+    fast = fast_stream(model, 2, 0.05, 11)
+    seen: list[int] = []
+    out = spec(model, fast, 5).generate([9, 8, 7], GenerationConfig(max_new_tokens=30), seen.extend)
+    assert seen == out.tokens
+
+
+def test_cache_after_generation_equals_fresh_prefill():
+    model = tiny_model(5)
+    fast = fast_stream(model, 2, 0.1, 5)
+    strategy = spec(model, fast, 6)
+    prompt = [1, 2, 3, 4]
+    out = strategy.generate(prompt, GenerationConfig(max_new_tokens=25))
+    cache = strategy.last_cache
+    seq = prompt + out.tokens[:-1]  # the last token is emitted but not yet run through the model
+    assert cache.length == len(seq)
+    fresh = model.new_cache(len(seq))
+    with torch.inference_mode():
+        model(torch.tensor([seq]), fresh, 0)
+    n = len(seq)
+    torch.testing.assert_close(cache.k[:, :, :, :n], fresh.k[:, :, :, :n], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cache.v[:, :, :, :n], fresh.v[:, :, :, :n], atol=1e-5, rtol=1e-5)
+
+
+def test_cost_model_picks_longer_drafts_when_verification_is_cheap():
+    cheap = CostModel(draft=0.1, verify=[1.0] * 9)
+    dear = CostModel(draft=0.1, verify=[1.0 + k for k in range(9)])
+    assert cheap.best_length(0.9, 8) == 8
+    assert dear.best_length(0.9, 8) < 3
+    assert cheap.best_length(0.0, 8) == 0
+
+
+def _exact_marginal(model: Transformer, prompt: list[int], gen: GenerationConfig, steps: int) -> torch.Tensor:
+    """Exact distribution of the ``steps``-th sampled token, by enumerating every earlier path."""
+    from m2r2.decoding.base import warp_probs
+
+    paths = {(): 1.0}
+    for _ in range(steps):
+        nxt: dict[tuple[int, ...], float] = {}
+        for path, pr in paths.items():
+            cache = model.new_cache(len(prompt) + steps + 1)
+            with torch.inference_mode():
+                logits = model(torch.tensor([prompt + list(path)]), cache, 0, last_only=True)[0, -1]
+            probs = warp_probs(logits, gen)
+            for tok in range(probs.shape[0]):
+                if probs[tok] > 0:
+                    nxt[(*path, tok)] = pr * float(probs[tok])
+        paths = nxt
+    out = torch.zeros(model.cfg.vocab_size, dtype=torch.float64)
+    for path, pr in paths.items():
+        out[path[-1]] += pr
+    return out
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.7, 4, 0.9)])
+def test_speculative_sampling_reproduces_the_target_distribution(temperature, top_k, top_p):
+    vocab = 6
+    model = tiny_model(3, vocab=vocab, layers=3)
+    with torch.no_grad():
+        model.embed.weight.div_(32)  # flatter distributions: every token gets real mass
+    fast = fast_stream(model, 1, 1.0, 3)  # an imperfect drafter: about 70% overlap with the target
+    prompt = [1, 2]
+    strategy = spec(model, fast, 3)
+    n = 3000
+    outs = []
+    for seed in range(n):
+        gen = GenerationConfig(max_new_tokens=3, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        outs.append(strategy.generate(prompt, gen).tokens)
+    probe = GenerationConfig(max_new_tokens=3, temperature=temperature, top_k=top_k, top_p=top_p)
+    # tokens 2 and 3 come out of draft/verify rounds (token 1 is sampled from the prefill)
+    for step in (2, 3):
+        expected = _exact_marginal(model, prompt, probe, step)
+        counts = torch.zeros(vocab, dtype=torch.float64)
+        for toks in outs:
+            counts[toks[step - 1]] += 1
+        # chi-square goodness of fit over tokens with expected count >= 5
+        keep = expected * n >= 5
+        chi2 = float((((counts - expected * n) ** 2) / (expected * n))[keep].sum())
+        # 99.9th percentile of chi-square with <= 5 degrees of freedom is < 20.6
+        assert chi2 < 20.6, (step, chi2, counts / n, expected)
+        assert float(counts[~keep].sum()) <= 3 * float(expected[~keep].sum()) * n + 5
+
+
+def test_bad_settings_are_refused():
+    model = tiny_model(1)
+    fast = fast_stream(model, 1, 0.0, 1)
+    with pytest.raises(SettingsError):
+        spec(model, fast, 0)
+    with pytest.raises(SettingsError):
+        spec(model, fast, 4, stop_below=1.5)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_lookahead_equals_plain_greedy(seed):
+    rng = random.Random(seed)
+    model = tiny_model(100 + seed, vocab=24)
+    prompt = [rng.randrange(24) for _ in range(rng.randint(1, 25))]
+    gen = GenerationConfig(max_new_tokens=rng.randint(1, 70))
+    ref = Autoregressive(model, []).generate(prompt, gen)
+    la = Lookahead(model, [], window=rng.randint(1, 6), ngram=rng.randint(2, 5), candidates=rng.randint(1, 5))
+    out = la.generate(prompt, gen)
+    assert out.tokens == ref.tokens
+    assert out.stats["verify_passes"] <= len(ref.tokens)
+
+
+def test_lookahead_accepts_repeated_text():
+    model = tiny_model(42, vocab=24)
+    # a model this peaked falls into loops; lookahead's pool must then accept several tokens a pass
+    out = Lookahead(model, []).generate([1, 2, 3], GenerationConfig(max_new_tokens=120))
+    assert out.stats["mean_accepted"] > 1.2
+
+
+def test_lookahead_refuses_sampling():
+    with pytest.raises(SettingsError):
+        Lookahead(tiny_model(1), []).generate([1], GenerationConfig(temperature=0.5))
+
+
+@pytest.mark.parametrize("kernel", ["plain", "mkldnn"])
+def test_verify_rows_are_bit_identical_to_decoding_steps_in_bf16(kernel):
+    """Lossless speculation needs row invariance: a k-token pass gives each row a decode step's bits."""
+    from m2r2.model import mkldnn_usable, use_kernels
+
+    model = tiny_model(9, dtype=torch.bfloat16)
+    if kernel == "mkldnn" and not mkldnn_usable(model):
+        pytest.skip("oneDNN bf16 kernels unavailable here")
+    use_kernels(model, kernel)
+    prompt = torch.randint(0, 64, (1, 37))
+    block = torch.randint(0, 64, (1, 9))
+    with torch.inference_mode():
+        a = model.new_cache(64)
+        model(prompt, a, 0)
+        steps = torch.cat([model(block[:, i : i + 1], a) for i in range(9)], dim=1)
+        b = model.new_cache(64)
+        model(prompt, b, 0)
+        multi = model(block, b)
+    assert torch.equal(steps, multi)
+    assert torch.equal(a.k[:, :, :, :46], b.k[:, :, :, :46])
