@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import Tensor
 
+from m2r2.cache import KVCache
+from m2r2.decoding import register
 from m2r2.decoding.base import (
     GenerationConfig,
     GenerationResult,
@@ -35,8 +37,6 @@ from m2r2.decoding.base import (
     check_prompt,
     warp_probs,
 )
-from m2r2.cache import KVCache
-from m2r2.decoding import register
 from m2r2.errors import SettingsError
 from m2r2.model import Transformer
 from m2r2.multirate.fast import DraftBlock, FastConfig, FastStream
@@ -333,5 +333,5 @@ def _early_exit_spec(
         depth = len(read_meta(shipped)["config"]["path"]) if shipped else engine.model.cfg.num_layers // 3
     cfg = FastConfig.build(engine.model.cfg.num_layers, depth=depth, rank=1)
     fast = FastStream(engine.model, cfg)  # zero-initialised B: every adapter delta is exactly zero
-    fast.skip_adapters = True
+    fast.use_adapters = False
     return build_self_speculative("early-exit-spec", engine, fast, max_draft, stop_below, False, adaptive)

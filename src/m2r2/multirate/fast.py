@@ -192,6 +192,9 @@ class FastStream(nn.Module):
         object.__setattr__(self, "base", base)
         self.adapters = nn.ModuleList(LayerAdapters(base.cfg, cfg.rank) for _ in cfg.path)
         self.arla = ARLA(base.cfg.hidden_size, cfg.depth, cfg.arla_dim)
+        #: False runs the path's base layers without adapter deltas: plain early exit (the ablation),
+        #: without paying for deltas that are zero.
+        self.use_adapters = True
 
     base: Transformer
 
@@ -232,7 +235,7 @@ class FastStream(nn.Module):
         cache: KVCache,
         verified_len: int,
         block: DraftBlock | None = None,
-        exit: int | None = None,
+        exit_layer: int | None = None,
     ) -> DraftOut:
         """Run ``tokens`` (``[B, n]``, the next positions of the draft block) through the fast stream.
 
@@ -255,13 +258,19 @@ class FastStream(nn.Module):
         for j, (layer, ad) in enumerate(zip(self.cfg.path, self.adapters, strict=True)):
             prev = block.kv[j] if block.kv else None
             f, kv = fast_layer(
-                base.layers[layer], states[j], cos, sin, cache.view(layer, verified_len), mask, ad.lora(), prev
+                base.layers[layer],
+                states[j],
+                cos,
+                sin,
+                cache.view(layer, verified_len),
+                mask,
+                ad.lora() if self.use_adapters else None,
+                prev,
             )
             states.append(f)
             new_kv.append(kv)
-        exit = exit or self.cfg.depth
         out = DraftBlock(verified_len, new_kv, block.length + n)
-        return DraftOut(self.exit_logits(states[exit]), states, out)
+        return DraftOut(self.exit_logits(states[exit_layer or self.cfg.depth]), states, out)
 
     def exit_probability(self, states: list[Tensor], j: int) -> Tensor:
         """ARLA's probability that the exit at fast layer ``j`` agrees with the full model."""

@@ -94,6 +94,7 @@ def align_report(
         }
         row |= {n: v[j] / count for n, v in sums.items()}
         p, y = torch.cat(probs[j]), torch.cat(hits[j]).float()
+        row["arla_mean_prob"] = float(p.mean())  # calibrated in the mean when close to agree_fast
         for t in THRESHOLDS:
             on = p >= t
             row[f"arla_precision@{t}"] = float(y[on].mean()) if bool(on.any()) else None

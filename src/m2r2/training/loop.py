@@ -193,13 +193,13 @@ def train(
     module = DistillLoss(stream, s, teacher)
     opt = torch.optim.AdamW(stream.parameters(), lr=s.lr, weight_decay=0.0)
     ckpt = Path(s.out) / "checkpoint.pt"
-    step = 0
+    step = tokens_seen = 0
     data_hash = hashlib.sha256(json.dumps(seqs).encode()).hexdigest()[:16]
     if s.resume:
         state = load_checkpoint(ckpt, fingerprint, fast_cfg.to_dict(), s.to_dict(), data_hash)
         stream.load_state_dict(state["stream"])
         opt.load_state_dict(state["optimizer"])
-        step = int(state["step"])
+        step, tokens_seen = int(state["step"]), int(state.get("tokens_seen", 0))
     module, opt = acc.prepare(module, opt)
 
     def save() -> None:
@@ -213,6 +213,7 @@ def train(
             "fast_config": fast_cfg.to_dict(),
             "settings": s.to_dict(),
             "data_hash": data_hash,
+            "tokens_seen": tokens_seen,
         }
         save_checkpoint(ckpt, st)
         info = {
@@ -228,7 +229,9 @@ def train(
         )
 
     t0 = last_ckpt = time.monotonic()
-    tokens_seen, last, ema = 0, {}, None
+    last: dict[str, Any] = {}
+    ema: float | None = None
+    seen_before = tokens_seen
     bar = tqdm(total=s.steps, initial=step, disable=not acc.is_local_main_process, dynamic_ncols=True)
     start_step = step
     while step < s.steps:
@@ -274,7 +277,7 @@ def train(
         "steps": step,
         "steps_this_run": step - start_step,
         "seconds": time.monotonic() - t0,
-        "tokens_seen_this_run": tokens_seen,
+        "tokens_seen_this_run": tokens_seen - seen_before,
         "metrics": last,
         "stream": stream,
     }
