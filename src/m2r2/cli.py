@@ -35,8 +35,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--kernel",
         default="auto",
-        choices=["auto", "plain", "mkldnn"],
-        help="linear-layer kernels: mkldnn = oneDNN pre-packed bf16 (CPU default), plain = torch",
+        choices=["auto", "plain", "mkldnn", "int8"],
+        help="linear-layer kernels: mkldnn = oneDNN pre-packed bf16 (CPU default), plain = torch, "
+        "int8 = weight-only int8 (half the bytes per step, slightly different outputs)",
     )
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
 

@@ -9,7 +9,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from m2r2.decoding import register
-from m2r2.decoding.base import GenerationConfig, GenerationResult, Sampler, Stopper, StreamCallback, check_prompt
+from m2r2.decoding.base import (
+    GenerationConfig,
+    GenerationResult,
+    Sampler,
+    Stopper,
+    StreamCallback,
+    cache_capacity,
+    check_prompt,
+)
 from m2r2.model import Transformer
 
 if TYPE_CHECKING:
@@ -39,7 +47,7 @@ class Autoregressive:
         room = ctx - len(prompt)
         stopper = Stopper(gen, self.eos_ids, self.decode, room)
         sampler = Sampler(gen, self.model.device)
-        cache = self.model.new_cache(len(prompt) + stopper.budget)
+        cache = self.model.new_cache(cache_capacity(len(prompt), stopper.budget, ctx))
         ids = torch.tensor([prompt], device=self.model.device)
         logits = self.model(ids, cache, 0, last_only=True)
         steps = 1

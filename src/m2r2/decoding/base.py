@@ -83,6 +83,17 @@ class Strategy(Protocol):
     ) -> GenerationResult: ...
 
 
+#: Cache slots every strategy allocates beyond prompt + budget (covers the longest draft or
+#: lookahead block). Attention spans the whole cache for row invariance (see ``Transformer.causal_mask``),
+#: so all strategies must allocate the *same* capacity for their outputs to be bit-identical.
+CACHE_SLACK = 64
+
+
+def cache_capacity(prompt_len: int, budget: int, context: int) -> int:
+    """KV-cache capacity for a generation: identical for every method given the same request."""
+    return min(context, prompt_len + budget + CACHE_SLACK)
+
+
 def check_prompt(prompt: list[int], context: int) -> None:
     """Reject prompts that are empty or leave no room for a single new token."""
     if not prompt:

@@ -25,7 +25,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from m2r2.decoding import register
-from m2r2.decoding.base import GenerationConfig, GenerationResult, Stopper, StreamCallback, check_prompt
+from m2r2.decoding.base import (
+    GenerationConfig,
+    GenerationResult,
+    Stopper,
+    StreamCallback,
+    cache_capacity,
+    check_prompt,
+)
 from m2r2.errors import SettingsError
 from m2r2.model import Transformer
 
@@ -104,7 +111,7 @@ class Lookahead:
         t0 = time.perf_counter()
         stopper = Stopper(gen, self.eos_ids, self.decode, ctx - len(prompt))
         step_tokens = 1 + self.W + self.G * (self.N - 1)
-        cache = model.new_cache(min(ctx + step_tokens, len(prompt) + stopper.budget + step_tokens))
+        cache = model.new_cache(cache_capacity(len(prompt), stopper.budget, ctx))
         dev = model.device
         logits = model(torch.tensor([prompt], device=dev), cache, 0, last_only=True)
         tok = int(logits[0, -1].argmax())

@@ -33,7 +33,9 @@ from m2r2.decoding.base import (
     GenerationResult,
     Sampler,
     Stopper,
+    CACHE_SLACK,
     StreamCallback,
+    cache_capacity,
     check_prompt,
     warp_probs,
 )
@@ -92,8 +94,8 @@ class SelfSpeculative:
         costs: CostModel | None = None,
         prior_accept: float = 0.5,
     ) -> None:
-        if max_draft < 1:
-            raise SettingsError(f"max_draft must be >= 1, got {max_draft}")
+        if not 1 <= max_draft < CACHE_SLACK:
+            raise SettingsError(f"max_draft must be in 1..{CACHE_SLACK - 1}, got {max_draft}")
         if not 0.0 <= stop_below < 1.0:
             raise SettingsError(f"stop_below must be in [0, 1), got {stop_below}")
         self.name = name
@@ -118,8 +120,7 @@ class SelfSpeculative:
         t0 = time.perf_counter()
         stopper = Stopper(gen, self.eos_ids, self.decode, ctx - len(prompt))
         sampler = Sampler(gen, model.device)
-        # room for the answer plus one over-long draft block past the budget
-        cache = model.new_cache(min(ctx, len(prompt) + stopper.budget + self.max_draft + 1))
+        cache = model.new_cache(cache_capacity(len(prompt), stopper.budget, ctx))
         self.last_cache = cache
         drafter = self.make_drafter(cache)
         logits = model(torch.tensor([prompt], device=model.device), cache, 0, last_only=True)
