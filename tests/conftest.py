@@ -209,6 +209,18 @@ def real_engine():
 
 
 @pytest.fixture(scope="session")
+def real_engine_bf16():
+    """The bundled model in the default precision (bf16, oneDNN kernels); skips if not installed."""
+    from m2r2.engine import Engine
+    from m2r2.errors import WeightsError
+
+    try:
+        return Engine(dtype="bf16", quiet=True)
+    except WeightsError as e:
+        pytest.skip(f"bundled model unavailable: {e}")
+
+
+@pytest.fixture(scope="session")
 def eval_dir() -> Path:
     """``../shared/data/eval`` beside the checkout (skips when a fresh clone has none)."""
     if not EVAL_DIR.is_dir() or not any(EVAL_DIR.glob("*.jsonl")):

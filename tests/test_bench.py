@@ -124,14 +124,8 @@ def test_names_are_checked_before_any_work(tmp_path: Path, kw: dict, match: str)
 
 
 @pytest.fixture(scope="module")
-def engine():
-    from m2r2.engine import Engine
-    from m2r2.errors import WeightsError
-
-    try:
-        return Engine(dtype="fp32", quiet=True)
-    except WeightsError as e:
-        pytest.skip(f"bundled model unavailable: {e}")
+def engine(real_engine):
+    return real_engine
 
 
 @pytest.mark.slow

@@ -22,14 +22,8 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def engine():
-    from m2r2.engine import Engine
-    from m2r2.errors import WeightsError
-
-    try:
-        return Engine(dtype="fp32", quiet=True)
-    except WeightsError as e:
-        pytest.skip(f"bundled model unavailable: {e}")
+def engine(real_engine):
+    return real_engine
 
 
 def _ids(engine, text: str) -> list[int]:

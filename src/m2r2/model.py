@@ -51,7 +51,7 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 #: Up to this many query rows, attention runs each row as its own batch item (see :func:`attend`).
-ROW_INVARIANT_MAX_ROWS = 16
+ROW_INVARIANT_MAX_ROWS = 32
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:

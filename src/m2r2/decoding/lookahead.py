@@ -34,7 +34,7 @@ from m2r2.decoding.base import (
     check_prompt,
 )
 from m2r2.errors import SettingsError
-from m2r2.model import Transformer
+from m2r2.model import ROW_INVARIANT_MAX_ROWS, Transformer
 
 if TYPE_CHECKING:
     from m2r2.engine import Engine
@@ -77,6 +77,13 @@ class Lookahead:
     ) -> None:
         if window < 1 or ngram < 2 or candidates < 1:
             raise SettingsError("lookahead needs window >= 1, ngram >= 2, candidates >= 1")
+        rows = 1 + window + candidates * (ngram - 1)
+        if rows > ROW_INVARIANT_MAX_ROWS:
+            # beyond this, a step's rows no longer get decoding's exact bits: output could drift
+            raise SettingsError(
+                f"a lookahead step of {rows} tokens (1 + window + candidates x (ngram-1)) exceeds "
+                f"{ROW_INVARIANT_MAX_ROWS}, the most that stays bit-identical to plain decoding"
+            )
         self.model, self.eos_ids, self.decode = model, eos_ids, decode
         self.W, self.N, self.G = window, ngram, candidates
 
