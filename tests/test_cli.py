@@ -164,6 +164,11 @@ def test_missing_model_path(capsys, tmp_path: Path) -> None:
         (["--temperature", "1", "--seed", str(2**70)], "seed"),
         (["--method", "nope"], "unknown method"),
         (["--threads", "-1"], "threads"),
+        (["--option", "foo=1"], "takes no option foo"),
+        (["--option", "novalue"], "KEY=VALUE"),
+        (["--method", "lookahead", "--option", "window=40"], "exceeds"),
+        (["--method", "lookahead", "--temperature", "0.5"], "greedy only"),
+        (["--method", "m2r2"], "no adapters ship"),
     ],
     ids=lambda v: "_".join(v).lstrip("-") if isinstance(v, list) else None,
 )
