@@ -210,7 +210,7 @@ def real_engine():
 
 @pytest.fixture(scope="session")
 def real_engine_bf16():
-    """The bundled model in the default precision (bf16, oneDNN kernels); skips if not installed."""
+    """The bundled model in the default precision (bf16, default kernels: q4 on CPU); skips if not installed."""
     from m2r2.engine import Engine
     from m2r2.errors import WeightsError
 

@@ -130,3 +130,40 @@ def test_bf16_plain_runs_and_returns_float32_logits(tiny_model) -> None:
     b = m32(ids, m32.new_cache(12), 0)
     assert m16.dtype == torch.bfloat16 and a.dtype == torch.float32
     assert (a - b).abs().max() < 0.25 * b.abs().max()
+
+
+def test_q4_kernel_recovers_q4_1_weights_exactly() -> None:
+    """Weights built like GGUF Q4_1 blocks (``d * q + m``) come back bit for bit through the 4-bit kernel.
+
+    ``d`` and ``m`` are powers-of-two multiples so every weight, scale and zero is exact in bf16; a
+    one-hot input row then reads one weight column straight out of the kernel.
+    """
+    from m2r2.model import Int4Linear
+
+    if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+        pytest.skip("the 4-bit CPU kernel is unavailable here")
+    g = torch.Generator().manual_seed(0)
+    n, k = 48, 96
+    q = torch.randint(0, 16, (n, k // 32, 32), generator=g).float()
+    q[..., 0], q[..., 1] = 0.0, 15.0  # Q4_1 maps each block's min and max to 0 and 15
+    d = 2.0 ** -torch.randint(4, 8, (n, k // 32, 1), generator=g).float()
+    m = -torch.randint(0, 64, (n, k // 32, 1), generator=g).float() / 64
+    w = (q * d + m).view(n, k)
+    lin = torch.nn.Linear(k, n, bias=False)
+    lin.weight.data = w.to(torch.bfloat16)
+    q4 = Int4Linear(lin)
+    eye = torch.eye(k, dtype=torch.bfloat16)
+    assert torch.equal(q4(eye).float(), w.t())
+    # a row's result does not depend on the other rows of the pass (lossless verification)
+    x = torch.randn(7, k, generator=g).to(torch.bfloat16)
+    assert torch.equal(torch.cat([q4(x[i : i + 1]) for i in range(7)]), q4(x))
+
+
+def test_auto_kernel_prefers_q4_for_bf16_on_cpu(tiny_model) -> None:
+    from m2r2.model import mkldnn_usable, q4_usable
+
+    d = tiny_model(hidden_size=64)
+    plain = load_model(d, torch.bfloat16, kernel="plain").model
+    expected = "q4" if q4_usable(plain) else "mkldnn" if mkldnn_usable(plain) else "plain"
+    assert load_model(d, torch.bfloat16, kernel="auto").kernel == expected
+    assert load_model(d, torch.float32, kernel="auto").kernel == "plain"

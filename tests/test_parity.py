@@ -267,21 +267,23 @@ def test_real_model_greedy_matches_transformers(real_engine, real_hf, eval_dir: 
 
 
 @pytest.mark.slow
-def test_bf16_mkldnn_close_to_fp32(real_engine) -> None:
-    """bf16 weights with oneDNN-packed linears against fp32 over every prompt position.
+@pytest.mark.parametrize("kernel", ["mkldnn", "q4"])
+def test_bf16_kernels_close_to_fp32(real_engine, kernel: str) -> None:
+    """bf16 activations with oneDNN-packed bf16 or 4-bit linears against fp32 at every prompt position.
 
     Stated tolerance (measured: bf16 transformers itself is ~0.08 nats mean, 0.45 max off fp32;
-    ours ~0.08 / 0.58): mean |log-prob error| on fp32's top-10 tokens < 0.2 nats, max < 1.5, and the
-    top-1 token agrees wherever fp32's top-1 leads its runner-up by more than 0.5 nats.
+    ours ~0.08 / 0.58 with mkldnn, ~0.08 / 0.48 with q4): mean |log-prob error| on fp32's top-10
+    tokens < 0.2 nats, max < 1.5, and the top-1 token agrees wherever fp32's top-1 leads its
+    runner-up by more than 0.5 nats.
     """
     from m2r2.engine import Engine
     from m2r2.errors import SettingsError
 
     try:
-        bf16 = Engine(model=real_engine.model_dir, dtype="bf16", kernel="mkldnn", quiet=True)
+        bf16 = Engine(model=real_engine.model_dir, dtype="bf16", kernel=kernel, quiet=True)
     except SettingsError as e:
-        pytest.skip(f"oneDNN bf16 linear kernels are not available here: {e}")
-    assert bf16.kernel == "mkldnn" and bf16.model.dtype == torch.bfloat16
+        pytest.skip(f"the {kernel} kernels are not available here: {e}")
+    assert bf16.kernel == kernel and bf16.model.dtype == torch.bfloat16
     for text in ("What is the capital of France?", "Write a short poem about the sea, and explain the tides."):
         ids = real_engine.tokenizer.encode_chat([{"role": "user", "content": text}])
         x = torch.tensor([ids])

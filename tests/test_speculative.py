@@ -232,14 +232,16 @@ def test_lookahead_refuses_sampling():
         Lookahead(tiny_model(1), []).generate([1], GenerationConfig(temperature=0.5))
 
 
-@pytest.mark.parametrize("kernel", ["plain", "mkldnn"])
+@pytest.mark.parametrize("kernel", ["plain", "mkldnn", "q4"])
 def test_verify_rows_are_bit_identical_to_decoding_steps_in_bf16(kernel):
     """Lossless speculation needs row invariance: a k-token pass gives each row a decode step's bits."""
-    from m2r2.model import mkldnn_usable, use_kernels
+    from m2r2.model import mkldnn_usable, q4_usable, use_kernels
 
     model = tiny_model(9, dtype=torch.bfloat16)
     if kernel == "mkldnn" and not mkldnn_usable(model):
         pytest.skip("oneDNN bf16 kernels unavailable here")
+    if kernel == "q4" and not q4_usable(model):
+        pytest.skip("the 4-bit CPU kernel is unavailable here")
     use_kernels(model, kernel)
     prompt = torch.randint(0, 64, (1, 37))
     block = torch.randint(0, 64, (1, 9))

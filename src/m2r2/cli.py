@@ -35,9 +35,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--kernel",
         default="auto",
-        choices=["auto", "plain", "mkldnn", "int8"],
-        help="linear-layer kernels: mkldnn = oneDNN pre-packed bf16 (CPU default), plain = torch, "
-        "int8 = weight-only int8 (half the bytes per step, slightly different outputs)",
+        choices=["auto", "plain", "mkldnn", "int8", "q4"],
+        help="linear-layer kernels: auto = q4 for bf16 on CPU when the layers fit, else mkldnn, else plain; "
+        "q4 = 4-bit groups of 32 (exactly the bundled GGUF's Q4_1 weights, ~1.7x faster than mkldnn); "
+        "mkldnn = oneDNN pre-packed bf16; plain = torch; int8 = weight-only int8 (lossy, not recommended)",
     )
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
 
@@ -142,7 +143,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     engine = _engine(args, quiet=args.json)
     messages = messages_for(prompt, args.system)
     stream = None if args.json or args.no_stream else _Printer(engine.tokenizer.decode)
-    out = engine.chat(messages, method=args.method, gen=gen, stream=stream, **_method_options(args.option))
+    options = _method_options(args.option)
+    if args.threshold is not None:  # the dynamic-compute methods' knob (an unknown option for the others)
+        options["threshold"] = args.threshold
+    out = engine.chat(messages, method=args.method, gen=gen, stream=stream, **options)
     if args.json:
         print(json.dumps(out.to_json(), ensure_ascii=False))
         return 0
@@ -150,7 +154,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(out.text)
     else:
         print()
-    print(out.summary(), file=sys.stderr)
+    summary = out.summary()
+    if "exit_rate" in out.result.stats:
+        st = out.result.stats
+        summary += f"; exit rate {st['exit_rate']:.0%}, {st['layers_per_token']:.1f} layers/token"
+    print(summary, file=sys.stderr)
     return 0
 
 
@@ -194,6 +202,17 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def _csv(text: str | None) -> list[str] | None:
+    return [x.strip() for x in text.split(",") if x.strip()] if text else None
+
+
+def _fraction(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise M2R2Error(f"--cache-fractions takes numbers in (0, 1], got {text!r}") from None
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from m2r2.bench.harness import BenchSettings, run_bench
 
@@ -205,7 +224,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
         out_dir=Path(args.out),
         warmup=args.warmup,
         suite=args.suite,
+        bandwidths=_csv(args.bandwidths),
+        cache_fractions=[_fraction(f) for f in _csv(args.cache_fractions) or []] or None,
+        policies=_csv(args.policies),
+        adapters=Path(args.adapters) if args.adapters else None,
     )
+    if args.suite == "moe" and not args.model:  # the MoEfied bundled model, built once into the cache
+        from m2r2.moe.moefy import moefy_default
+
+        args.model = str(moefy_default(quiet=False))
     engine = _engine(args)
     results = run_bench(engine, settings)
     print(results["markdown"] if "markdown" in results else json.dumps(results, indent=2))
@@ -276,6 +303,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         ckpt_minutes=args.ckpt_minutes,
         resume=args.resume,
         adapter_dtype=args.adapter_dtype,
+        init=args.init,
         info={
             "base_model": str(args.model or "smollm2-135m"),
             "data": str(args.data),
@@ -286,6 +314,39 @@ def cmd_train(args: argparse.Namespace) -> int:
     out = train(loaded.model, cfg, records, settings, loaded.fingerprint, teacher)
     out.pop("stream")
     print(json.dumps({**out, "adapters": str(Path(args.out) / "adapters.safetensors")}))
+    return 0
+
+
+def cmd_train_mod(args: argparse.Namespace) -> int:
+    import torch
+
+    from m2r2.loading import load_model, resolve_model
+    from m2r2.training.distill import load_distilled
+    from m2r2.training.mod import MoDSettings, train_mod
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    loaded = load_model(resolve_model(args.model), dtype, args.device or "cpu", kernel="plain")
+    records = load_distilled(Path(args.data))
+    settings = MoDSettings(
+        out=Path(args.out),
+        steps=args.steps,
+        minutes=args.minutes,
+        batch=args.batch,
+        max_len=args.max_len,
+        lr=args.lr,
+        warmup=args.warmup,
+        lam=args.lam,
+        hard=not args.soft,
+        seed=args.seed,
+        ckpt_minutes=args.ckpt_minutes,
+        resume=args.resume,
+        info={"base_model": str(args.model or "smollm2-135m"), "data": str(args.data), "answers": len(records)},
+    )
+    out = train_mod(loaded.model, records, settings, loaded.fingerprint, _list_arg(args.always_on))
+    out.pop("routers")
+    print(json.dumps({**out, "routers": str(Path(args.out) / "routers.safetensors")}))
     return 0
 
 
@@ -324,6 +385,27 @@ def cmd_eval_align(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_moefy(args: argparse.Namespace) -> int:
+    import torch
+
+    from m2r2.moe.moefy import DEFAULT_EXPERTS, DEFAULT_SHARED, DEFAULT_TOP_K, moefy_default
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = moefy_default(
+        experts=args.experts or DEFAULT_EXPERTS,
+        top_k=args.top_k or DEFAULT_TOP_K,
+        method=args.method,
+        shared=DEFAULT_SHARED if args.shared is None else args.shared,
+        data=Path(args.data),
+        model=args.model,
+        out=Path(args.out) if args.out else None,
+        quiet=False,
+    )
+    print(out)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from m2r2 import __version__
 
@@ -338,6 +420,13 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="answer one prompt and print its speed", description="Answer one prompt.")
     g.add_argument("prompt", help="the user message ('-' reads stdin)")
     g.add_argument("--json", action="store_true", help="print one JSON object (text, new_tokens, seconds, ...)")
+    g.add_argument(
+        "--threshold",
+        type=float,
+        default=None,
+        help="exit threshold of a lossy dynamic-compute method (m2r2-dynamic: ARLA probability, calm: "
+        "confidence); lower = faster and further from the full model; >= 1 never exits",
+    )
     g.add_argument("--no-stream", action="store_true", help="print the answer at the end instead of streaming")
     _add_gen_args(g)
     _add_model_args(g)
@@ -363,13 +452,26 @@ def build_parser() -> argparse.ArgumentParser:
         "--suite",
         default=None,
         help="a named set of runs that replaces --dataset/--methods: 'paper' = MT-Bench, Koala, "
-        "Self-Instruct, WizardLM x (vanilla, m2r2, early-exit-spec, lookahead, hf, hf-pld, hf-early-exit)",
+        "Self-Instruct, WizardLM x (vanilla, m2r2, early-exit-spec, lookahead, hf, hf-pld, hf-early-exit); "
+        "'dynamic' = quality-vs-speedup sweeps of the lossy early-exit methods on the same four datasets; "
+        "'moe' = expert offloading policies (on-demand, next-gate, m2r2, oracle) on an MoE model "
+        "(default: the MoEfied bundled model) over --bandwidths x --cache-fractions on --dataset",
     )
     b.add_argument("--methods", default="vanilla,hf,hf-pld", help="comma-separated methods; the first is the baseline")
     b.add_argument("--limit", type=int, default=10, help="number of prompts (default 10; 0 = all)")
     b.add_argument("--max-new-tokens", type=int, default=128, help="token budget per turn (default 128)")
     b.add_argument("--warmup", type=int, default=1, help="warm-up prompts per method, not timed (default 1)")
     b.add_argument("--out", default="bench-out", help="output directory (default bench-out)")
+    g = b.add_argument_group("--suite moe")
+    g.add_argument(
+        "--bandwidths",
+        default=None,
+        help="slow-memory bandwidths, comma-separated: 'measured' (real file reads only) or modelled "
+        "ones such as 2GB/s (flash-like), 25GB/s (PCIe-like) (default measured,2GB/s,25GB/s)",
+    )
+    g.add_argument("--cache-fractions", default=None, help="cache sizes as fractions of all experts (0.25,0.5,0.75)")
+    g.add_argument("--policies", default=None, help="prefetch policies (default on-demand,next-gate,m2r2,oracle)")
+    g.add_argument("--adapters", default=None, help="fast-stream adapters for the m2r2 policy (default: by model)")
     _add_model_args(b)
     b.set_defaults(func=cmd_bench)
 
@@ -414,12 +516,49 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--ckpt-minutes", type=float, default=5.0, help="checkpoint interval (default 5 minutes)")
     t.add_argument("--resume", action="store_true", help="continue from --out/checkpoint.pt")
+    t.add_argument(
+        "--init",
+        default=None,
+        metavar="PATH",
+        help="start from these adapters (tensors with matching names and shapes, e.g. the dense model's "
+        "shipped ones for its MoEfied version)",
+    )
     t.add_argument("--adapter-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     t.add_argument("--teacher", default="fp32", choices=["fp32", "bf16"], help="precision of the slow pass")
     t.add_argument("--model", default=os.environ.get("M2R2_MODEL"), help="base model (default smollm2-135m)")
     t.add_argument("--device", default=None, help="cpu or cuda (default cpu)")
     t.add_argument("--threads", type=int, default=None, help="torch CPU threads per process")
     t.set_defaults(func=cmd_train)
+
+    tm = sub.add_parser(
+        "train-mod",
+        help="train Mixture-of-Depths block routers on the frozen base model (the `mod` baseline)",
+        description="KL to the full model + a compute penalty on soft gates; only the routers train. "
+        "Checkpoints to --out atomically; --resume continues bit-for-bit.",
+    )
+    tm.add_argument("--data", default="runs/train/data.jsonl", help="distilled answers JSONL")
+    tm.add_argument("--out", default="runs/mod", help="checkpoint and router directory (default runs/mod)")
+    tm.add_argument("--steps", type=int, default=100_000, help="maximum optimizer steps")
+    tm.add_argument("--minutes", type=float, default=0.0, help="wall-clock budget in minutes (0 = none)")
+    tm.add_argument("--batch", type=int, default=4, help="sequences per step (default 4)")
+    tm.add_argument("--max-len", type=int, default=256, help="tokens per sequence (default 256)")
+    tm.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+    tm.add_argument("--warmup", type=int, default=10, help="linear warm-up steps (default 10)")
+    tm.add_argument("--lam", type=float, default=1.0, help="weight of the compute penalty (mean gate)")
+    tm.add_argument(
+        "--always-on", default=None, help="comma list of 0-based blocks without a router (default: first, last)"
+    )
+    tm.add_argument(
+        "--soft", action="store_true", help="soft gates in training (default: straight-through hard gates at 0.5)"
+    )
+    tm.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="precision of the frozen model")
+    tm.add_argument("--seed", type=int, default=0)
+    tm.add_argument("--ckpt-minutes", type=float, default=5.0, help="checkpoint interval (default 5 minutes)")
+    tm.add_argument("--resume", action="store_true", help="continue from --out/checkpoint.pt")
+    tm.add_argument("--model", default=os.environ.get("M2R2_MODEL"), help="base model (default smollm2-135m)")
+    tm.add_argument("--device", default=None, help="cpu or cuda (default cpu)")
+    tm.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    tm.set_defaults(func=cmd_train_mod)
 
     e = sub.add_parser(
         "eval-align",
@@ -437,6 +576,22 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--json", action="store_true", help="print JSON (layers: [{layer, agree_fast, ...}])")
     _add_model_args(e)
     e.set_defaults(func=cmd_eval_align)
+
+    mf = sub.add_parser(
+        "moefy",
+        help="split a dense model's FFNs into experts with fitted routers (a real-weight MoE for `bench --suite moe`)",
+        description="MoEfication (Zhang et al. 2022): balanced clustering of each FFN's neurons into E experts and "
+        "a linear router per layer fitted on activations of distilled answers. Prints the model directory.",
+    )
+    mf.add_argument("--model", default=None, help="dense source model (default: the bundled smollm2-135m)")
+    mf.add_argument("--experts", type=int, default=None, help="experts per layer E (default 16)")
+    mf.add_argument("--top-k", type=int, default=None, help="experts per token (default 8)")
+    mf.add_argument("--method", default="coact", choices=["coact", "weights"], help="neuron clustering features")
+    mf.add_argument("--shared", type=int, default=None, help="FFN neurons kept in an always-on shared expert")
+    mf.add_argument("--data", default="runs/train/data.jsonl", help="distilled answers JSONL (m2r2 distill-data)")
+    mf.add_argument("--out", default=None, help="output directory (default: $M2R2_CACHE/models/<deterministic name>)")
+    mf.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    mf.set_defaults(func=cmd_moefy)
     return p
 
 

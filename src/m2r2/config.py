@@ -16,7 +16,17 @@ from typing import Any
 from m2r2.errors import UnsupportedModelError
 
 #: ``model_type`` values whose checkpoints share the Llama block layout that ``model.py`` implements.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2")
+#: Sparse Mixture-of-Experts variants of that layout. ``m2r2_moe`` is ours: a Llama block whose MLP was
+#: split into experts by ``m2r2 moefy`` (transformers has no class for it, so it must not claim to be llama).
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "olmoe", "m2r2_moe")
+SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES + MOE_MODEL_TYPES
+#: How the router's scores become expert weights (see :meth:`m2r2.model.MoE.route`):
+#: ``softmax_topk_renorm`` softmax over all experts, top-k, renormalised to sum 1 (Mixtral; Qwen2-MoE and
+#: OLMoE with ``norm_topk_prob``); ``softmax_topk`` the same without renormalising (Qwen2-MoE / OLMoE
+#: default); ``ones`` each selected expert counts fully (MoEfication: the experts partition a dense FFN, so
+#: top-k = E reproduces it exactly).
+ROUTER_WEIGHTS = ("softmax_topk_renorm", "softmax_topk", "ones")
 #: RoPE variants implemented in :func:`rope_inv_freq`.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -42,6 +52,20 @@ class ModelConfig:
     model_type: str = "llama"
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # Mixture of experts (num_experts = 0: dense). Sparse layers hold E experts of moe_intermediate_size
+    # neurons each, top num_experts_per_tok per token, and optionally a sigmoid-gated shared expert.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    router_weights: str = "softmax_topk_renorm"
+    shared_expert_intermediate_size: int = 0
+    #: Qwen2-MoE scales its shared expert by sigmoid(gate(x)); MoEfied models add theirs ungated.
+    shared_expert_gated: bool = True
+    #: Indices of the sparse layers; None = every layer (when num_experts > 0).
+    sparse_layers: list[int] | None = None
+    # OLMoE attention: RMSNorm over the whole q and k projections before RoPE, and optional clipping.
+    qk_norm: bool = False
+    clip_qkv: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads < 1 or self.num_kv_heads < 1:
@@ -50,6 +74,27 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}"
             )
+        if self.num_experts:
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                raise UnsupportedModelError(
+                    f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..num_experts={self.num_experts}"
+                )
+            if self.moe_intermediate_size < 1:
+                raise UnsupportedModelError("an MoE config needs moe_intermediate_size >= 1")
+            if self.router_weights not in ROUTER_WEIGHTS:
+                raise UnsupportedModelError(
+                    f"router_weights {self.router_weights!r} is not one of {', '.join(ROUTER_WEIGHTS)}"
+                )
+            if self.sparse_layers is not None and any(not 0 <= i < self.num_layers for i in self.sparse_layers):
+                raise UnsupportedModelError(f"sparse layers {self.sparse_layers} outside 0..{self.num_layers - 1}")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether block ``layer`` has a sparse MoE instead of a dense MLP."""
+        return self.num_experts > 0 and (self.sparse_layers is None or layer in self.sparse_layers)
 
     @property
     def rope_type(self) -> str:
@@ -71,8 +116,10 @@ class ModelConfig:
         if d.get("mlp_bias"):
             raise UnsupportedModelError("mlp_bias=true is not supported")
         # transformers: Qwen2 always has q/k/v biases, Mistral never; Llama's flag also biases o_proj.
-        if model_type == "llama" and d.get("attention_bias"):
-            raise UnsupportedModelError("attention_bias=true (biased q/k/v/o projections) is not supported for llama")
+        if model_type in ("llama", "olmoe", "m2r2_moe") and d.get("attention_bias"):
+            raise UnsupportedModelError(
+                f"attention_bias=true (biased q/k/v/o projections) is not supported for {model_type}"
+            )
         # transformers v5 folds rope_theta and rope_scaling into rope_parameters.
         rope = dict(d.get("rope_parameters") or {})
         theta = float(rope.pop("rope_theta", d.get("rope_theta", 10000.0)))
@@ -94,6 +141,7 @@ class ModelConfig:
         window = d.get("sliding_window")
         if d.get("use_sliding_window") is False:
             window = None
+        moe = _moe_fields(model_type, d)
         return cls(
             vocab_size=int(d["vocab_size"]),
             hidden_size=hidden,
@@ -108,11 +156,12 @@ class ModelConfig:
             rope_scaling=scaling,
             # transformers' Llama/Mistral/Qwen2 configs all default to untied heads.
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=model_type == "qwen2",
+            attention_bias=model_type == "qwen2" or (model_type == "qwen2_moe" and bool(d.get("qkv_bias", True))),
             sliding_window=int(window) if window else None,
             model_type=model_type,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            **moe,
         )
 
     @classmethod
@@ -132,6 +181,49 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _moe_fields(model_type: str, d: dict[str, Any]) -> dict[str, Any]:
+    """The MoE part of :class:`ModelConfig` from an HF config dict, per architecture.
+
+    Semantics follow transformers' modeling code: Mixtral renormalises its top-k softmax weights;
+    Qwen2-MoE and OLMoE do so only with ``norm_topk_prob``; Qwen2-MoE makes layer i sparse when
+    ``(i + 1) % decoder_sparse_step == 0`` and i is not in ``mlp_only_layers``, and adds a shared expert.
+    """
+    if model_type in DENSE_MODEL_TYPES:
+        return {}
+    n_layers = int(d["num_hidden_layers"])
+    renorm = "softmax_topk_renorm" if d.get("norm_topk_prob") else "softmax_topk"
+    if model_type == "mixtral":
+        e, f, weights = int(d.get("num_local_experts", 8)), int(d["intermediate_size"]), "softmax_topk_renorm"
+    elif model_type == "olmoe":
+        e, f, weights = int(d.get("num_experts", 64)), int(d["intermediate_size"]), renorm
+    elif model_type == "qwen2_moe":
+        e, f, weights = int(d.get("num_experts", 60)), int(d.get("moe_intermediate_size", 1408)), renorm
+    else:  # m2r2_moe: written by m2r2 moefy with explicit fields
+        e, f, weights = int(d["num_experts"]), int(d["moe_intermediate_size"]), str(d.get("router_weights", "ones"))
+    out: dict[str, Any] = {
+        "num_experts": e,
+        "num_experts_per_tok": int(d.get("num_experts_per_tok", 2)),
+        "moe_intermediate_size": f,
+        "router_weights": weights,
+    }
+    if model_type == "olmoe":
+        out["qk_norm"] = True
+        clip = d.get("clip_qkv")
+        out["clip_qkv"] = float(clip) if clip is not None else None
+    if model_type == "qwen2_moe":
+        out["shared_expert_intermediate_size"] = int(d.get("shared_expert_intermediate_size") or 0)
+        step = int(d.get("decoder_sparse_step") or 1)
+        dense = {int(i) for i in d.get("mlp_only_layers") or []}
+        sparse = [i for i in range(n_layers) if i not in dense and (i + 1) % step == 0]
+        out["sparse_layers"] = None if len(sparse) == n_layers else sparse
+    if model_type == "m2r2_moe":
+        out["shared_expert_intermediate_size"] = int(d.get("shared_expert_intermediate_size") or 0)
+        out["shared_expert_gated"] = bool(d.get("shared_expert_gated", False))
+        if d.get("sparse_layers") is not None:
+            out["sparse_layers"] = [int(i) for i in d["sparse_layers"]]
+    return out
 
 
 def rope_inv_freq(cfg: ModelConfig) -> tuple[list[float], float]:

@@ -208,6 +208,8 @@ def load_model(
             raise WeightsError(
                 f"{model_dir}: {name} has shape {tuple(t.shape)}, the config implies {tuple(expected[name].shape)}"
             )
+    del hf_sd  # the unfused originals: frees what the fused copies replaced
+    source = sd  # float32 as stored: the q4 kernel recovers the GGUF's 4-bit blocks from these exactly
     sd = {k: v.to(device=device, dtype=dtype) for k, v in sd.items()}
     try:
         model.load_state_dict(sd, assign=True, strict=True)
@@ -218,7 +220,8 @@ def load_model(
     model.reset_rope()
     model.eval().requires_grad_(False)
     try:
-        used = use_kernels(model, kernel)
+        used = use_kernels(model, kernel, source)
     except ValueError as e:  # unknown kernel, or mkldnn where it cannot run
         raise SettingsError(str(e)) from e
+    del source, sd
     return LoadedModel(model, model_dir, fingerprint(model_dir), time.perf_counter() - t0, used)

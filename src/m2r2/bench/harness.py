@@ -46,6 +46,11 @@ class BenchSettings:
     out_dir: Path
     warmup: int = 1
     suite: str | None = None
+    # --suite moe only (None = the suite's defaults): bandwidth labels, cache fractions, policies, adapters
+    bandwidths: list[str] | None = None
+    cache_fractions: list[float] | None = None
+    policies: list[str] | None = None
+    adapters: Path | None = None
 
 
 def plan(settings: BenchSettings) -> list[tuple[str, list[str]]]:
@@ -146,14 +151,40 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def environment(engine: Engine) -> dict[str, Any]:
+    """What a reader needs to judge timings (hardware, precision, threads, versions); in every results.json."""
+    import transformers
+
+    return {
+        "dtype": engine.dtype_name,
+        "kernel": engine.kernel,
+        "threads": torch.get_num_threads(),
+        "torch_version": torch.__version__,
+        "transformers_version": transformers.__version__,
+        "cpu": _cpu_name(),
+        "device": str(engine.device),
+        "model": engine.model_dir.name,
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "command": " ".join(sys.argv),
+    }
+
+
 def run_bench(engine: Engine, settings: BenchSettings) -> dict[str, Any]:
     """Run every (dataset, methods) of the plan and write one merged report to ``settings.out_dir``.
 
     ``methods`` is keyed by method name for a single dataset, by ``dataset/method`` for several.
     Everything is checked (names, settings, files) before the first token is generated.
+    ``--suite dynamic`` (quality-vs-speedup sweeps of the lossy methods) and ``--suite moe`` (expert
+    offloading policies) have their own runners.
     """
-    import transformers
+    if settings.suite == "dynamic":
+        from m2r2.bench.dynamic_suite import run_dynamic
 
+        return run_dynamic(engine, settings)
+    if settings.suite == "moe":  # expert offloading policies on an MoE model: its own grid and report
+        from m2r2.bench.moe_suite import run_moe
+
+        return run_moe(engine, settings)
     gen = GenerationConfig(max_new_tokens=settings.max_new_tokens).validate()
     if settings.warmup < 0:
         raise SettingsError(f"warmup must be >= 0, got {settings.warmup}")
@@ -176,16 +207,7 @@ def run_bench(engine: Engine, settings: BenchSettings) -> dict[str, Any]:
         "n_prompts": len(rows),
         "max_new_tokens": settings.max_new_tokens,
         "warmup": settings.warmup,
-        "dtype": engine.dtype_name,
-        "kernel": engine.kernel,
-        "threads": torch.get_num_threads(),
-        "torch_version": torch.__version__,
-        "transformers_version": transformers.__version__,
-        "cpu": _cpu_name(),
-        "device": str(engine.device),
-        "model": engine.model_dir.name,
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "command": " ".join(sys.argv),
+        **environment(engine),
         "methods": summaries,
         "prompts": rows,
     }

@@ -31,7 +31,7 @@ def register(name: str, help: str) -> Callable[[Factory], Factory]:
 
 def _load_builtin() -> None:
     # Imported for their @register side effects; kept lazy so `import m2r2` stays light.
-    from m2r2.decoding import autoregressive, hf, lookahead, speculative  # noqa: F401
+    from m2r2.decoding import autoregressive, dynamic, hf, lookahead, mod, speculative  # noqa: F401
 
 
 def method_names() -> list[str]:

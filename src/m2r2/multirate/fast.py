@@ -156,7 +156,7 @@ def fast_layer(
     if prev_kv is not None:
         k, v = torch.cat([prev_kv[0], k], dim=2), torch.cat([prev_kv[1], v], dim=2)
     a = f + block.attn.out(shared_attention(q, slow_kv[0], slow_kv[1], k, v, mask), lora)
-    return a + block.mlp(block.mlp_norm(a), lora), (k, v)
+    return a + block.mlp(block.mlp_norm(a), lora, resid=a), (k, v)
 
 
 @dataclass
@@ -190,7 +190,7 @@ class FastStream(nn.Module):
             )
         self.cfg = cfg
         object.__setattr__(self, "base", base)
-        self.adapters = nn.ModuleList(LayerAdapters(base.cfg, cfg.rank) for _ in cfg.path)
+        self.adapters = nn.ModuleList(LayerAdapters(base.cfg, cfg.rank, layer) for layer in cfg.path)
         self.arla = ARLA(base.cfg.hidden_size, cfg.depth, cfg.arla_dim)
         #: False runs the path's base layers without adapter deltas: plain early exit (the ablation),
         #: without paying for deltas that are zero.

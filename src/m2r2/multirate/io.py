@@ -115,7 +115,8 @@ def bundled_adapters(fingerprint: str) -> Path | None:
     root = Path(str(resources.files("m2r2") / "adapters"))
     for side in sorted(root.glob("*.json")):
         try:
-            if json.loads(side.read_text()).get("base_fingerprint") == fingerprint:
+            meta = json.loads(side.read_text())
+            if meta.get("format") == FORMAT and meta.get("base_fingerprint") == fingerprint:
                 return side.with_suffix(".safetensors")
         except (OSError, json.JSONDecodeError):
             continue

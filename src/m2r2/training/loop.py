@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from m2r2.errors import InputError, SettingsError
+from m2r2.errors import InputError, SettingsError, WeightsError
 from m2r2.model import Transformer
 from m2r2.multirate.fast import FastConfig, FastStream, block_starts
 from m2r2.multirate.io import save_adapters
@@ -55,6 +55,9 @@ class TrainSettings:
     ckpt_minutes: float = 5.0
     resume: bool = False
     adapter_dtype: str = "bfloat16"
+    #: adapters to start from (e.g. the dense model's for its MoEfied version): every tensor whose name
+    #: and shape match is copied, the others keep their fresh initialisation
+    init: str | None = None
     info: dict[str, Any] = field(default_factory=dict)  # provenance written into the adapter JSON
 
     def to_dict(self) -> dict[str, Any]:
@@ -168,6 +171,27 @@ class DistillLoss(nn.Module):
         return loss, {"align": align.item(), "kl": kl_loss.item(), "arla": arla.item(), "agree": agree}
 
 
+def init_from(stream: FastStream, path: Path) -> int:
+    """Copy the tensors of adapter file ``path`` whose names and shapes match ``stream``'s; returns how many.
+
+    Used to start a MoE model's fast stream from the dense model's adapters: attention adapters
+    carry over, the MLP ones (absent on sparse blocks) are skipped.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    own = stream.state_dict()
+    try:
+        with safe_open(str(Path(path).with_suffix(".safetensors")), framework="pt") as fh:
+            found = {k: fh.get_tensor(k) for k in fh.keys() if k in own}  # noqa: SIM118 (not a dict)
+    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+        raise WeightsError(f"cannot read adapters to start from, {path}: {e}") from e
+    found = {k: v for k, v in found.items() if v.shape == own[k].shape}
+    if not found:
+        raise SettingsError(f"no tensor of {path} fits this fast stream (check --rank and --path)")
+    stream.load_state_dict({k: v.to(own[k].dtype) for k, v in found.items()}, strict=False)
+    return len(found)
+
+
 def train(
     base: Transformer,
     fast_cfg: FastConfig,
@@ -190,6 +214,8 @@ def train(
     seqs = make_sequences(records, s.max_len)
     torch.manual_seed(s.seed)
     stream = FastStream(base, fast_cfg).to(base.device)
+    if s.init and not s.resume:
+        s.info["init"] = {"path": s.init, "tensors": init_from(stream, Path(s.init))}
     module = DistillLoss(stream, s, teacher)
     opt = torch.optim.AdamW(stream.parameters(), lr=s.lr, weight_decay=0.0)
     ckpt = Path(s.out) / "checkpoint.pt"

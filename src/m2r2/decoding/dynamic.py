@@ -1,0 +1,569 @@
+"""Dynamic compute (lossy, tunable): tokens that look easy exit early and are completed later.
+
+One loop, :class:`PendingDecoder`, serves every method; a method is only an *exit rule*:
+
+- ``m2r2-dynamic``: the M2R2 fast stream (shipped accelerator adapters over the shared slow cache)
+  runs layer by layer; at the first allowed fast layer where ARLA's probability reaches
+  ``threshold`` the token exits with that layer's logits ``W . Norm(f_j)``.
+- ``static-exit``: every token exits at base layer L (plain early exit ``W . Norm(h_L)``).
+- ``calm``: CALM-style confidence exit (softmax max-probability or top-2 margin) on plain
+  early-exit logits at a list of base layers.
+- ``skip-decoding``: SkipDecode's position-dependent budget, linear from ``max_layer`` at the first
+  generated token to ``min_layer`` at the last one the budget allows.
+
+Pending completion (the shared-cache design of ``../shared/docs/M2R2.md``): a token that exits has
+no slow K/V. It stays *pending*; the next token that does not exit runs one slow pass over
+``[pending..., token]`` that writes the slow K/V of all of them (the cache is then whole, exactly
+what a full pass would hold) and gives that token's next token from the full model. A token that
+arrives while ``max_pending`` tokens are pending runs deep without probing (a probe could only be
+wasted there: its pass is needed anyway and it yields the full model's token for free). With no
+exits possible (``threshold >= 1``, a budget of all layers) no probe runs at all and the loop is
+plain greedy decoding, bit for bit (same cache capacity, same forward as ``vanilla``).
+
+How later tokens see pending ones:
+- probes over *base* layers (static-exit, calm, skip-decoding) write their K/V into the slow cache
+  slot of the token for the layers they ran; those entries are exact full-model K/V as long as
+  every earlier pending token ran at least as deep (always true for static-exit and for the
+  monotonically decreasing SkipDecode budget; this is SkipDecode's own argument, mirrored).
+- the fast stream keeps the pending tokens' *fast* K/V as its draft block, per fast layer
+  (:func:`m2r2.multirate.fast.fast_layer`, the same shared attention as drafting: slow cache of the
+  completed tokens + fast K/V of the block).
+- a token that exited at layer j has no K/V at deeper layers: later tokens **mask it out** there
+  (it is invisible at layers > j until completed). We chose masking over CALM's state copying
+  (K/V computed from the exit state at every deeper layer) because copying costs a K/V projection
+  per deeper layer and pending token, and any pending token is recomputed exactly by the next slow
+  pass anyway; with the default single exit (fast layer 10, the only one the shipped adapters and
+  ARLA were trained for) no masking ever happens.
+
+Cost accounting (``stats``): ``layers_per_token`` counts layer *passes* (a slow pass over k rows is
+N layers, as in ``speculative.py``: on a bandwidth-bound CPU a k-row pass costs about one row),
+probe layers included; ``row_layers_per_token`` counts layer x rows (the FLOPs view);
+``head_calls_per_token`` counts LM-head evaluations (the 49k-word head of this small model weighs
+as much as many layers: CALM pays one per check, ARLA needs none to decide); ``exit_precision`` is
+the share of checked exits whose token equals the full model's choice after the same prefix (free:
+the completion pass computes it). A base-layer probe of a token with no pending tokens before it is
+exactly the slow stream's first layers, so a token that does not exit continues from there instead
+of starting over; the fast stream (adapters) cannot be reused that way, which is the cost M2R2 pays
+for its better exits (the fast stream costs ~0.5 of a full step here).
+
+SkipDecode deviation: the paper skips the *lower* layers (tokens enter late) because its model is
+fine-tuned for it; we do not fine-tune, and feeding embeddings to layer 20 of a frozen model gives
+noise, so tokens exit early instead (run the first ``b_t`` layers). The budget still decreases
+monotonically with position, which is what lets later tokens find K/V at every layer they run.
+Greedy only: these methods are lossy anyway and compare against the full model's greedy output.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from m2r2.cache import KVCache
+from m2r2.decoding import register
+from m2r2.decoding.base import (
+    GenerationConfig,
+    GenerationResult,
+    Stopper,
+    StreamCallback,
+    cache_capacity,
+    check_prompt,
+)
+from m2r2.errors import SettingsError
+from m2r2.model import ROW_INVARIANT_MAX_ROWS, Transformer
+from m2r2.multirate.fast import FastStream, fast_layer
+
+if TYPE_CHECKING:
+    from m2r2.engine import Engine
+
+#: A completion pass holds max_pending + 1 rows; beyond the row-invariant limit it is not bit-exact.
+MAX_PENDING_LIMIT = ROW_INVARIANT_MAX_ROWS - 1
+MEASURES = ("maxprob", "margin")
+
+
+# --------------------------------------------------------------------------- option checks
+
+
+def check_threshold(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+        raise SettingsError(f"threshold must be a finite number >= 0 (>= 1 never exits), got {value!r}")
+    return float(value)
+
+
+def check_layer(name: str, value: Any, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise SettingsError(f"{name} must be an integer in {low}..{high}, got {value!r}")
+    return value
+
+
+def check_layers(name: str, value: Any, low: int, high: int) -> list[int]:
+    """A list of layers from a list, one int, or a comma string (``--option exits=8,10``)."""
+    items = value.split(",") if isinstance(value, str) else value if isinstance(value, list | tuple) else [value]
+    out: list[int] = []
+    for item in items:
+        try:
+            layer = int(item.strip()) if isinstance(item, str) else item
+        except ValueError:
+            raise SettingsError(f"{name} must be integers in {low}..{high}, got {value!r}") from None
+        out.append(check_layer(f"each of {name}", layer, low, high))
+    if not out:
+        raise SettingsError(f"{name} must list at least one layer in {low}..{high}")
+    return sorted(set(out))
+
+
+def check_max_pending(value: Any) -> int:
+    return check_layer("max_pending", value, 1, MAX_PENDING_LIMIT)
+
+
+# --------------------------------------------------------------------------- the shared loop
+
+
+@dataclass
+class Probe:
+    """What a probe found: exit logits (None = no exit) and what it cost."""
+
+    logits: Tensor | None
+    depth: int  # layers run; the token has K/V below this depth
+    layers: int
+    heads: int
+    #: (state, next base layer) when the probe ran the slow stream's own first layers with exact
+    #: context, so a deep pass may continue from there
+    resume: tuple[Tensor, int] | None = None
+
+
+@dataclass
+class _Counters:
+    probe_layers: int = 0
+    slow_layers: int = 0
+    row_layers: int = 0
+    heads: int = 0
+    exits: int = 0
+    exit_depth: int = 0
+    probes: int = 0
+    completions: int = 0
+    forced: int = 0
+    checked: int = 0  # exits whose output the completion pass could check against the full model
+    agreed: int = 0
+    exit_layers: dict[int, int] = field(default_factory=dict)
+
+
+class PendingDecoder:
+    """Greedy decoding where a probe may exit a token early; pending tokens are completed later.
+
+    Subclasses implement :meth:`may_exit` (whether probing the token at generated index ``i`` can
+    exit at all) and :meth:`probe`; :meth:`start` and :meth:`completed` let them keep per-generation
+    state (the fast stream's draft block).
+    """
+
+    name = "dynamic"
+
+    def __init__(
+        self,
+        model: Transformer,
+        eos_ids: list[int],
+        decode: Callable[[list[int]], str] | None = None,
+        max_pending: int = 16,
+    ) -> None:
+        self.model = model
+        self.eos_ids = eos_ids
+        self.decode = decode
+        self.max_pending = check_max_pending(max_pending)
+        self.last_cache: KVCache | None = None  # the last generation's cache, for inspection and tests
+        self.cache: KVCache | None = None
+        self.pending: list[int] = []
+        self.depths: list[int] = []
+        self.budget = 0
+
+    # ---- hooks
+    def start(self, cache: KVCache) -> None:
+        """A new generation begins on ``cache`` (its prompt is in it)."""
+
+    def completed(self) -> None:
+        """The pending tokens were just written to the slow cache."""
+
+    def may_exit(self, index: int) -> bool:
+        raise NotImplementedError
+
+    def probe(self, token: int, pos: int, index: int) -> Probe:
+        raise NotImplementedError
+
+    # ---- loop
+    @torch.inference_mode()
+    def generate(
+        self, prompt: list[int], gen: GenerationConfig, stream: StreamCallback | None = None
+    ) -> GenerationResult:
+        gen.validate()
+        if not gen.greedy:
+            raise SettingsError(f"{self.name} decodes greedily only (temperature 0); it is lossy by design")
+        model = self.model
+        ctx = model.cfg.max_position_embeddings
+        check_prompt(prompt, ctx)
+        t0 = time.perf_counter()
+        stopper = Stopper(gen, self.eos_ids, self.decode, ctx - len(prompt))
+        self.budget = stopper.budget
+        cache = model.new_cache(cache_capacity(len(prompt), stopper.budget, ctx))
+        self.cache = self.last_cache = cache
+        self.pending, self.depths = [], []
+        logits = model(torch.tensor([prompt], device=model.device), cache, 0, last_only=True)
+        tok = int(logits[0, -1].argmax())
+        self.start(cache)
+        c = _Counters()
+        index = 1  # generated index of the token the next step produces (0 came from the prompt pass)
+        while True:
+            if stopper.push([tok]) and stream is not None:
+                stream([tok])
+            if stopper.done:
+                break
+            pos = cache.length + len(self.pending)
+            probe = None
+            if len(self.pending) >= self.max_pending:
+                c.forced += 1
+            elif self.may_exit(index):
+                probe = self.probe(tok, pos, index)
+                c.probes += 1
+                c.probe_layers += probe.layers
+                c.row_layers += probe.layers
+                c.heads += probe.heads
+            if probe is not None and probe.logits is not None:
+                self.pending.append(tok)
+                self.depths.append(probe.depth)
+                c.exits += 1
+                c.exit_depth += probe.depth
+                c.exit_layers[probe.depth] = c.exit_layers.get(probe.depth, 0) + 1
+                tok = int(probe.logits.argmax())
+            else:
+                c.completions += bool(self.pending)
+                tok = int(self._deep(tok, pos, probe, c).argmax())
+            index += 1
+        ntok = max(len(stopper.tokens), 1)
+        return GenerationResult(
+            tokens=stopper.tokens,
+            seconds=time.perf_counter() - t0,
+            stop_reason=str(stopper.reason),
+            prompt_tokens=len(prompt),
+            stats={
+                "layers_per_token": (c.probe_layers + c.slow_layers) / ntok,
+                "row_layers_per_token": c.row_layers / ntok,
+                "probe_layers_per_token": c.probe_layers / ntok,
+                "head_calls_per_token": c.heads / ntok,
+                "exit_rate": c.exits / ntok,
+                "exits": c.exits,
+                "probes": c.probes,
+                "mean_exit_layer": c.exit_depth / c.exits if c.exits else 0.0,
+                "exit_layers": dict(sorted(c.exit_layers.items())),
+                "pending_completions": c.completions,
+                "forced_completions": c.forced,
+                # in situ: the completion pass gives the full model's choice after each pending token
+                "exit_precision": c.agreed / c.checked if c.checked else None,
+            },
+        )
+
+    def _deep(self, tok: int, pos: int, probe: Probe | None, c: _Counters) -> Tensor:
+        """The full model's logits after ``tok``, completing every pending token on the way."""
+        model, cache = self.model, self.cache
+        assert cache is not None
+        n_layers = model.cfg.num_layers
+        if not self.pending and probe is not None and probe.resume is not None:
+            x, first = probe.resume  # the probe was the slow stream's layers 0..first-1: go on from there
+            cos, sin = model.rope(pos, 1, x.dtype)
+            mask = model.causal_mask(pos, 1, cache.max_len)
+            for i in range(first, n_layers):
+                x = model.layers[i](x, cos, sin, cache, i, pos, mask)
+            cache.length = pos + 1
+            c.slow_layers += n_layers - first
+            c.row_layers += n_layers - first
+            c.heads += 1
+            return model.head(x)[0, -1]
+        rows = [*self.pending, tok]
+        logits = model(torch.tensor([rows], device=model.device), cache, cache.length)[0]
+        if len(rows) > 1:  # row i is the full model's choice after pending token i; its exit chose rows[i + 1]
+            c.checked += len(rows) - 1
+            c.agreed += int((logits[:-1].argmax(-1).cpu() == torch.tensor(rows[1:])).sum())
+        logits = logits[-1]
+        c.slow_layers += n_layers
+        c.row_layers += n_layers * len(rows)
+        c.heads += 1
+        self.pending, self.depths = [], []
+        self.completed()
+        return logits
+
+
+# --------------------------------------------------------------------------- base-layer exits
+
+
+class BaseLayerExit(PendingDecoder):
+    """Probes over the base model's own layers (no adapters), writing their K/V into the slow cache.
+
+    Subclasses say which layers are checked (:meth:`checks`) and whether a check exits (:meth:`decide`).
+    """
+
+    def checks(self, index: int) -> list[int]:
+        """Base layers (1-based count of layers run) where the token at ``index`` may exit."""
+        raise NotImplementedError
+
+    def decide(self, h: Tensor, layer: int, index: int) -> tuple[Tensor | None, int]:
+        """Exit logits or None, and the number of LM-head evaluations spent deciding."""
+        raise NotImplementedError
+
+    def may_exit(self, index: int) -> bool:
+        return bool(self.checks(index))
+
+    def probe(self, token: int, pos: int, index: int) -> Probe:
+        model, cache = self.model, self.cache
+        assert cache is not None
+        checks = self.checks(index)
+        x = model.embed_tokens(torch.tensor([[token]], device=model.device))
+        cos, sin = model.rope(pos, 1, x.dtype)
+        causal = model.causal_mask(pos, 1, cache.max_len)
+        heads = 0
+        last = checks[-1]
+        for i in range(last):
+            x = model.layers[i](x, cos, sin, cache, i, pos, self._mask(causal, i))
+            if i + 1 in checks:
+                logits, spent = self.decide(x, i + 1, index)
+                heads += spent
+                if logits is not None:
+                    return Probe(logits, i + 1, i + 1, heads)
+        return Probe(None, last, last, heads, resume=(x, last) if not self.pending else None)
+
+    def _mask(self, causal: Tensor, layer: int) -> Tensor:
+        """``causal`` with the pending slots that have no K/V at ``layer`` masked out."""
+        assert self.cache is not None
+        hidden = [self.cache.length + k for k, d in enumerate(self.depths) if d <= layer]
+        if not hidden:
+            return causal
+        mask = causal.clone()
+        mask[0, hidden] = False
+        return mask
+
+
+class StaticExit(BaseLayerExit):
+    name = "static-exit"
+
+    def __init__(
+        self, model: Transformer, eos_ids: list[int], decode=None, layer: int | None = None, max_pending: int = 16
+    ):
+        super().__init__(model, eos_ids, decode, max_pending)
+        n = model.cfg.num_layers
+        self.layer = check_layer("layer", default_depth(n) if layer is None else layer, 1, n - 1)
+
+    def checks(self, index: int) -> list[int]:
+        return [self.layer]
+
+    def decide(self, h: Tensor, layer: int, index: int) -> tuple[Tensor | None, int]:
+        return self.model.head(h)[0, -1], 1
+
+
+class CalmExit(BaseLayerExit):
+    """CALM (Schuster et al. 2022) softmax-confidence exit: max probability or top-2 margin."""
+
+    name = "calm"
+
+    def __init__(
+        self,
+        model: Transformer,
+        eos_ids: list[int],
+        decode=None,
+        threshold: float = 0.9,
+        measure: str = "maxprob",
+        exits: Any = None,
+        max_pending: int = 16,
+    ):
+        super().__init__(model, eos_ids, decode, max_pending)
+        n = model.cfg.num_layers
+        self.threshold = check_threshold(threshold)
+        if measure not in MEASURES:
+            raise SettingsError(f"measure must be one of {', '.join(MEASURES)}, got {measure!r}")
+        self.measure = measure
+        self.exits = check_layers("exits", exits if exits is not None else default_calm_exits(n), 1, n - 1)
+
+    def checks(self, index: int) -> list[int]:
+        return self.exits if self.threshold < 1.0 else []
+
+    def decide(self, h: Tensor, layer: int, index: int) -> tuple[Tensor | None, int]:
+        logits = self.model.head(h)[0, -1]
+        probs = torch.softmax(logits, -1)
+        if self.measure == "maxprob":
+            conf = float(probs.max())
+        else:
+            top = probs.topk(2).values
+            conf = float(top[0] - top[1])
+        return (logits if conf >= self.threshold else None), 1
+
+
+def default_depth(num_layers: int) -> int:
+    """Default exit layer of the static baselines: two thirds of the depth (30 layers: 20)."""
+    return max(1, round(2 * num_layers / 3))
+
+
+def default_calm_exits(num_layers: int) -> list[int]:
+    """Every sixth layer from a third of the depth (30 layers: 10, 16, 22, 28): each check costs an LM head."""
+    return list(range(num_layers // 3, num_layers, max(1, num_layers // 5)))
+
+
+def skip_schedule(index: int, budget: int, max_layer: int, min_layer: int) -> int:
+    """SkipDecode's exit budget for generated token ``index`` (0-based) of ``budget`` tokens.
+
+    Linear from ``max_layer`` at the first token to ``min_layer`` at the last, rounded to the
+    nearest layer (halves up); non-increasing in ``index`` (so a token finds K/V at every layer it runs).
+    """
+    if budget <= 1:
+        return max_layer
+    frac = min(index, budget - 1) / (budget - 1)
+    return math.floor(max_layer - (max_layer - min_layer) * frac + 0.5)
+
+
+class SkipDecoding(BaseLayerExit):
+    name = "skip-decoding"
+
+    def __init__(
+        self,
+        model: Transformer,
+        eos_ids: list[int],
+        decode=None,
+        max_layer: int | None = None,
+        min_layer: int | None = None,
+        max_pending: int = 16,
+    ):
+        super().__init__(model, eos_ids, decode, max_pending)
+        n = model.cfg.num_layers
+        self.max_layer = check_layer("max_layer", n if max_layer is None else max_layer, 1, n)
+        low = min(default_depth(n), self.max_layer) if min_layer is None else min_layer
+        self.min_layer = check_layer("min_layer", low, 1, self.max_layer)
+
+    def exit_layer(self, index: int) -> int:
+        return skip_schedule(index, self.budget, self.max_layer, self.min_layer)
+
+    def checks(self, index: int) -> list[int]:
+        layer = self.exit_layer(index)
+        return [layer] if layer < self.model.cfg.num_layers else []
+
+    def decide(self, h: Tensor, layer: int, index: int) -> tuple[Tensor | None, int]:
+        return self.model.head(h)[0, -1], 1
+
+
+# --------------------------------------------------------------------------- M2R2 fast-stream exits
+
+
+class FastStreamExit(PendingDecoder):
+    """``m2r2-dynamic``: the fast stream over the shared cache, ARLA deciding the exit."""
+
+    name = "m2r2-dynamic"
+
+    def __init__(
+        self,
+        model: Transformer,
+        fast: FastStream,
+        eos_ids: list[int],
+        decode=None,
+        threshold: float = 0.8,
+        exits: Any = None,
+        max_pending: int = 16,
+    ):
+        super().__init__(model, eos_ids, decode, max_pending)
+        self.fast = fast
+        self.threshold = check_threshold(threshold)
+        depth = fast.cfg.depth
+        self.exits = check_layers("exits", exits if exits is not None else [depth], 1, depth)
+        #: fast K/V of the pending tokens per fast layer (zeros where a token exited below the layer)
+        self.block: list[tuple[Tensor, Tensor] | None] = []
+
+    def start(self, cache: KVCache) -> None:
+        self.block = [None] * self.fast.cfg.depth
+
+    def completed(self) -> None:
+        self.block = [None] * self.fast.cfg.depth
+
+    def may_exit(self, index: int) -> bool:
+        return self.threshold < 1.0
+
+    def probe(self, token: int, pos: int, index: int) -> Probe:
+        fast, cache = self.fast, self.cache
+        assert cache is not None
+        base = fast.base
+        verified = cache.length
+        f = base.embed_tokens(torch.tensor([[token]], device=base.device))
+        cos, sin = base.rope(pos, 1, base.dtype)
+        states = [f]
+        new_kv: list[tuple[Tensor, Tensor]] = []
+        slow_keys = torch.ones(verified, dtype=torch.bool)
+        last = self.exits[-1]
+        for i in range(last):
+            layer = fast.cfg.path[i]
+            visible = [d > i for d in self.depths] + [True]
+            mask = torch.cat([slow_keys, torch.tensor(visible)])[None].to(base.device)
+            lora = fast.adapters[i].lora() if fast.use_adapters else None
+            f, kv = fast_layer(base.layers[layer], f, cos, sin, cache.view(layer, verified), mask, lora, self.block[i])
+            states.append(f)
+            new_kv.append(kv)
+            j = i + 1
+            if j in self.exits and float(fast.exit_probability([s[0, -1] for s in states], j)) >= self.threshold:
+                self._extend_block(new_kv)
+                return Probe(fast.exit_logits(f)[0, -1], j, j, 1)
+        return Probe(None, last, last, 0)
+
+    def _extend_block(self, new_kv: list[tuple[Tensor, Tensor]]) -> None:
+        """Keep the exiting token's fast K/V in the block; zeros (masked out) above its exit."""
+        for i in range(len(self.block)):
+            if i < len(new_kv):
+                self.block[i] = new_kv[i]
+                continue
+            k0, v0 = new_kv[0]
+            pad = (k0.new_zeros(*k0.shape[:2], 1, k0.shape[3]), v0.new_zeros(*v0.shape[:2], 1, v0.shape[3]))
+            prev = self.block[i]
+            self.block[i] = pad if prev is None else (torch.cat([prev[0], pad[0]], 2), torch.cat([prev[1], pad[1]], 2))
+
+
+# --------------------------------------------------------------------------- registry
+
+
+@register(
+    "m2r2-dynamic",
+    "M2R2 dynamic compute (lossy): exit at the fast stream when ARLA >= threshold; options threshold, exits, "
+    "max_pending, adapters",
+)
+def _m2r2_dynamic(
+    engine: Engine, threshold: float = 0.8, exits: Any = None, max_pending: int = 16, adapters: str | None = None
+) -> FastStreamExit:
+    from m2r2.multirate.io import load_default
+
+    check_threshold(threshold)  # before loading anything
+    fast = load_default(engine.model, engine.fingerprint, Path(adapters) if adapters else None)
+    fast.to(engine.model.device).freeze()
+    tok = engine.tokenizer
+    return FastStreamExit(engine.model, fast, tok.eos_ids, tok.decode, threshold, exits, max_pending)
+
+
+@register("static-exit", "baseline (lossy): every token exits at base layer L (options layer, max_pending)")
+def _static_exit(engine: Engine, layer: int | None = None, max_pending: int = 16) -> StaticExit:
+    return StaticExit(engine.model, engine.tokenizer.eos_ids, engine.tokenizer.decode, layer, max_pending)
+
+
+@register(
+    "calm",
+    "baseline (lossy): CALM confidence exit on plain early-exit logits (options threshold, measure=maxprob|margin, "
+    "exits, max_pending)",
+)
+def _calm(
+    engine: Engine, threshold: float = 0.9, measure: str = "maxprob", exits: Any = None, max_pending: int = 16
+) -> CalmExit:
+    tok = engine.tokenizer
+    return CalmExit(engine.model, tok.eos_ids, tok.decode, threshold, measure, exits, max_pending)
+
+
+@register(
+    "skip-decoding",
+    "baseline (lossy): SkipDecode's exit budget falling linearly with position (options max_layer, min_layer, "
+    "max_pending)",
+)
+def _skip_decoding(
+    engine: Engine, max_layer: int | None = None, min_layer: int | None = None, max_pending: int = 16
+) -> SkipDecoding:
+    tok = engine.tokenizer
+    return SkipDecoding(engine.model, tok.eos_ids, tok.decode, max_layer, min_layer, max_pending)
