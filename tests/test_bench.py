@@ -114,7 +114,7 @@ def _settings(tmp_path: Path, **kw) -> BenchSettings:
     [
         ({"methods": ["vanilla", "nope"]}, r"unknown method.*nope"),
         ({"dataset": "nope"}, "unknown dataset 'nope'"),
-        ({"suite": "no-such-suite"}, "unknown suite 'no-such-suite'"),
+        ({"suite": "no-such-suite"}, "unknown suite 'no-such-suite'; available: paper, dynamic, moe"),
     ],
 )
 def test_names_are_checked_before_any_work(tmp_path: Path, kw: dict, match: str) -> None:

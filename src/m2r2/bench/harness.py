@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 
 #: The self-speculative comparison of the paper: ours, its ablation, and every peer, vanilla first.
 PAPER_METHODS = ["vanilla", "m2r2", "early-exit-spec", "lookahead", "hf", "hf-pld", "hf-early-exit"]
+#: Suites with their own runner and report (see :func:`run_bench`).
+SPECIAL_SUITES = ("dynamic", "moe")
 #: Named suites: each is a list of (dataset, methods) runs merged into one report.
 SUITES: dict[str, list[tuple[str, list[str]]]] = {
     "paper": [(d, PAPER_METHODS) for d in ("mt_bench", "koala", "self_instruct", "wizardlm")],
@@ -58,7 +60,7 @@ def plan(settings: BenchSettings) -> list[tuple[str, list[str]]]:
     if settings.suite is None:
         return [(settings.dataset, settings.methods)]
     if settings.suite not in SUITES:
-        names = ", ".join(SUITES) or "none yet"
+        names = ", ".join([*SUITES, *SPECIAL_SUITES])
         raise UnknownNameError(f"unknown suite {settings.suite!r}; available: {names}")
     return SUITES[settings.suite]
 
