@@ -192,6 +192,71 @@ def init_from(stream: FastStream, path: Path) -> int:
     return len(found)
 
 
+@dataclass
+class Progress:
+    """Where a training run stands: what checkpoints record and what ``--resume`` restores."""
+
+    step: int = 0
+    tokens_seen: int = 0
+    last: dict[str, Any] = field(default_factory=dict)  # loss and metrics of the latest step
+
+
+def run_steps(
+    acc: Any,
+    s: Any,
+    opt: torch.optim.Optimizer,
+    prog: Progress,
+    one_step: Callable[[int], tuple[Tensor, dict[str, float], int]],
+    save: Callable[[], None],
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """The optimisation loop every trainer shares (adapters, MoD routers).
+
+    ``one_step(step)`` returns (loss, metrics, answer tokens over all processes) for global step
+    ``step``; this loop owns the rest: linear warm-up of ``s.lr`` over ``s.warmup`` steps, the
+    optimizer step, the wall-clock budget ``s.minutes`` (agreed across processes, so all stop
+    together), a checkpoint every ``s.ckpt_minutes`` and a final one. Keeping it in one place is
+    what keeps ``--resume`` bit-for-bit for every trainer.
+    """
+    from tqdm import tqdm
+
+    t0 = last_ckpt = time.monotonic()
+    start_step, seen_before = prog.step, prog.tokens_seen
+    bar = tqdm(total=s.steps, initial=prog.step, disable=not acc.is_local_main_process, dynamic_ncols=True)
+    while prog.step < s.steps:
+        for grp in opt.param_groups:
+            grp["lr"] = s.lr * min(1.0, (prog.step + 1) / max(1, s.warmup))
+        loss, metrics, tokens = one_step(prog.step)
+        opt.zero_grad(set_to_none=True)
+        acc.backward(loss)
+        opt.step()
+        prog.step += 1
+        prog.tokens_seen += tokens
+        prog.last = {"loss": loss.item(), **metrics}
+        bar.update(1)
+        bar.set_postfix({k: f"{v:.3f}" for k, v in prog.last.items()})
+        if log is not None and acc.is_main_process:
+            log(f"step {prog.step} " + " ".join(f"{k}={v:.4f}" for k, v in prog.last.items()))
+        now = time.monotonic()
+        if acc.is_main_process and s.minutes and now - t0 > s.minutes * 60:
+            acc.set_trigger()
+        if acc.check_trigger():
+            break
+        if now - last_ckpt > s.ckpt_minutes * 60:
+            save()
+            last_ckpt = now
+    bar.close()
+    save()
+    acc.wait_for_everyone()
+    return {
+        "steps": prog.step,
+        "steps_this_run": prog.step - start_step,
+        "seconds": time.monotonic() - t0,
+        "tokens_seen_this_run": prog.tokens_seen - seen_before,
+        "metrics": prog.last,
+    }
+
+
 def train(
     base: Transformer,
     fast_cfg: FastConfig,
@@ -203,7 +268,6 @@ def train(
 ) -> dict[str, Any]:
     """Train adapters + ARLA on distilled ``records``; writes checkpoints and adapters under ``s.out``."""
     from accelerate import Accelerator
-    from tqdm import tqdm
 
     if s.batch < 1 or s.steps < 1 or s.gamma_max < 1:
         raise SettingsError("batch, steps and gamma_max must be >= 1")
@@ -219,13 +283,13 @@ def train(
     module = DistillLoss(stream, s, teacher)
     opt = torch.optim.AdamW(stream.parameters(), lr=s.lr, weight_decay=0.0)
     ckpt = Path(s.out) / "checkpoint.pt"
-    step = tokens_seen = 0
+    prog = Progress()
     data_hash = hashlib.sha256(json.dumps(seqs).encode()).hexdigest()[:16]
     if s.resume:
         state = load_checkpoint(ckpt, fingerprint, fast_cfg.to_dict(), s.to_dict(), data_hash)
         stream.load_state_dict(state["stream"])
         opt.load_state_dict(state["optimizer"])
-        step, tokens_seen = int(state["step"]), int(state.get("tokens_seen", 0))
+        prog = Progress(int(state["step"]), int(state.get("tokens_seen", 0)))
     module, opt = acc.prepare(module, opt)
 
     def save() -> None:
@@ -234,76 +298,40 @@ def train(
         st = {
             "stream": stream.state_dict(),
             "optimizer": opt.state_dict(),
-            "step": step,
+            "step": prog.step,
             "fingerprint": fingerprint,
             "fast_config": fast_cfg.to_dict(),
             "settings": s.to_dict(),
             "data_hash": data_hash,
-            "tokens_seen": tokens_seen,
+            "tokens_seen": prog.tokens_seen,
         }
         save_checkpoint(ckpt, st)
         info = {
             **s.info,
-            "steps": step,
-            "tokens_seen": tokens_seen,
+            "steps": prog.step,
+            "tokens_seen": prog.tokens_seen,
             "sequences": len(seqs),
             "train_settings": {k: v for k, v in s.to_dict().items() if k != "info"},
-            "metrics": last,
+            "metrics": prog.last,
         }
         save_adapters(
             Path(s.out) / "adapters.safetensors", stream, fingerprint, dtype=getattr(torch, s.adapter_dtype), **info
         )
 
-    t0 = last_ckpt = time.monotonic()
-    last: dict[str, Any] = {}
     ema: float | None = None
-    seen_before = tokens_seen
-    bar = tqdm(total=s.steps, initial=step, disable=not acc.is_local_main_process, dynamic_ncols=True)
-    start_step = step
-    while step < s.steps:
+
+    def one_step(step: int) -> tuple[Tensor, dict[str, float], int]:
+        nonlocal ema
         idx = batch_indices(len(seqs), step, s.batch, s.seed)[rank::world]
         tokens, mask = collate([seqs[i] for i in idx])
         # block partition shared by all processes (as in a one-process run); subsamples per process
         starts = draw_blocks(s.max_len, s.gamma_max, torch.Generator().manual_seed(s.seed * 7919 + step))
         starts = starts[: tokens.shape[1]]
         g = torch.Generator().manual_seed(s.seed * 7919 + step * 131 + rank + 1)
-        for grp in opt.param_groups:
-            grp["lr"] = s.lr * min(1.0, (step + 1) / max(1, s.warmup))
         loss, met = module(tokens.to(base.device), mask.to(base.device), starts, g)
-        opt.zero_grad(set_to_none=True)
-        acc.backward(loss)
-        opt.step()
-        step += 1
-        tokens_seen += int(mask.sum()) * world
         top = met["agree"][max(met["agree"])]
         ema = top if ema is None else 0.95 * ema + 0.05 * top
-        last = {"loss": loss.item(), "align": met["align"], "kl": met["kl"], "arla": met["arla"], "agree_ema": ema}
-        bar.update(1)
-        bar.set_postfix(
-            loss=f"{last['loss']:.3f}",
-            align=f"{met['align']:.3f}",
-            kl=f"{met['kl']:.3f}",
-            arla=f"{met['arla']:.3f}",
-            agree=f"{ema:.3f}",
-        )
-        if log is not None and acc.is_main_process:
-            log(f"step {step} " + " ".join(f"{k}={v:.4f}" for k, v in last.items()))
-        now = time.monotonic()
-        if acc.is_main_process and s.minutes and now - t0 > s.minutes * 60:
-            acc.set_trigger()
-        if acc.check_trigger():
-            break
-        if now - last_ckpt > s.ckpt_minutes * 60:
-            save()
-            last_ckpt = now
-    bar.close()
-    save()
-    acc.wait_for_everyone()
-    return {
-        "steps": step,
-        "steps_this_run": step - start_step,
-        "seconds": time.monotonic() - t0,
-        "tokens_seen_this_run": tokens_seen - seen_before,
-        "metrics": last,
-        "stream": stream,
-    }
+        metrics = {"align": met["align"], "kl": met["kl"], "arla": met["arla"], "agree_ema": ema}
+        return loss, metrics, int(mask.sum()) * world
+
+    return {**run_steps(acc, s, opt, prog, one_step, save, log), "stream": stream}

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from importlib import resources
@@ -46,7 +45,7 @@ from m2r2.loading import file_hash
 from m2r2.model import Block, Transformer
 from m2r2.multirate.io import _atomic_write, sidecar
 from m2r2.training.checkpoint import load_checkpoint, save_checkpoint
-from m2r2.training.loop import batch_indices, collate, make_sequences
+from m2r2.training.loop import Progress, batch_indices, collate, make_sequences, run_steps
 
 FORMAT = "m2r2-mod-routers"
 VERSION = 1
@@ -300,7 +299,6 @@ def train_mod(
 ) -> dict[str, Any]:
     """Train routers on distilled ``records``; checkpoints and ``routers.safetensors`` go under ``s.out``."""
     from accelerate import Accelerator
-    from tqdm import tqdm
 
     if s.batch < 1 or s.steps < 1:
         raise SettingsError("batch and steps must be >= 1")
@@ -318,7 +316,7 @@ def train_mod(
     opt = torch.optim.AdamW(routers.parameters(), lr=s.lr, weight_decay=0.0)
     ckpt = Path(s.out) / "checkpoint.pt"
     traj = {**{k: v for k, v in s.to_dict().items() if k in MOD_TRAJECTORY_KEYS}, "dtype": str(model.dtype)}
-    step = tokens_seen = 0
+    prog = Progress()
     data_hash = hashlib.sha256(json.dumps(seqs).encode()).hexdigest()[:16]
     if s.resume:
         # "stream"/"fast_config" are the checkpoint format's names for the trainable state and its config
@@ -327,9 +325,8 @@ def train_mod(
             raise SettingsError(f"checkpoint {ckpt} was written with {state.get('mod_trajectory')}, this run is {traj}")
         routers.load_state_dict(state["stream"])
         opt.load_state_dict(state["optimizer"])
-        step, tokens_seen = int(state["step"]), int(state.get("tokens_seen", 0))
+        prog = Progress(int(state["step"]), int(state.get("tokens_seen", 0)))
     module, opt = acc.prepare(module, opt)
-    last: dict[str, Any] = {}
 
     def save() -> None:
         if not acc.is_main_process:
@@ -337,63 +334,32 @@ def train_mod(
         st = {
             "stream": routers.state_dict(),
             "optimizer": opt.state_dict(),
-            "step": step,
+            "step": prog.step,
             "fingerprint": fingerprint,
             "fast_config": cfg.to_dict(),
             "settings": s.to_dict(),
             "mod_trajectory": traj,
             "data_hash": data_hash,
-            "tokens_seen": tokens_seen,
+            "tokens_seen": prog.tokens_seen,
         }
         save_checkpoint(ckpt, st)
         info = {
             **s.info,
-            "steps": step,
-            "tokens_seen": tokens_seen,
+            "steps": prog.step,
+            "tokens_seen": prog.tokens_seen,
             "sequences": len(seqs),
             "train_settings": {k: v for k, v in s.to_dict().items() if k != "info"},
             "train_dtype": traj["dtype"],
-            "metrics": last,
+            "metrics": prog.last,
         }
         save_routers(Path(s.out) / "routers.safetensors", routers, fingerprint, **info)
 
-    t0 = last_ckpt = time.monotonic()
-    start_step, seen_before = step, tokens_seen
-    bar = tqdm(total=s.steps, initial=step, disable=not acc.is_local_main_process, dynamic_ncols=True)
-    while step < s.steps:
+    def one_step(step: int) -> tuple[Tensor, dict[str, float], int]:
         batch = [seqs[i] for i in batch_indices(len(seqs), step, s.batch, s.seed)[rank::world]]
         tokens, mask = collate(batch)
         routable = routable_mask(batch, tokens.shape[1])
-        for grp in opt.param_groups:
-            grp["lr"] = s.lr * min(1.0, (step + 1) / max(1, s.warmup))
         dev = model.device
         loss, met = module(tokens.to(dev), mask.to(dev), routable.to(dev))
-        opt.zero_grad(set_to_none=True)
-        acc.backward(loss)
-        opt.step()
-        step += 1
-        tokens_seen += int(mask.sum()) * world
-        last = {"loss": loss.item(), **met}
-        bar.update(1)
-        bar.set_postfix({k: f"{v:.3f}" for k, v in last.items()})
-        if log is not None and acc.is_main_process:
-            log(f"step {step} " + " ".join(f"{k}={v:.4f}" for k, v in last.items()))
-        now = time.monotonic()
-        if acc.is_main_process and s.minutes and now - t0 > s.minutes * 60:
-            acc.set_trigger()
-        if acc.check_trigger():
-            break
-        if now - last_ckpt > s.ckpt_minutes * 60:
-            save()
-            last_ckpt = now
-    bar.close()
-    save()
-    acc.wait_for_everyone()
-    return {
-        "steps": step,
-        "steps_this_run": step - start_step,
-        "seconds": time.monotonic() - t0,
-        "tokens_seen_this_run": tokens_seen - seen_before,
-        "metrics": last,
-        "routers": routers,
-    }
+        return loss, met, int(mask.sum()) * world
+
+    return {**run_steps(acc, s, opt, prog, one_step, save, log), "routers": routers}
