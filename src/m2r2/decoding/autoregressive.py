@@ -13,10 +13,8 @@ from m2r2.decoding.base import (
     GenerationConfig,
     GenerationResult,
     Sampler,
-    Stopper,
     StreamCallback,
-    cache_capacity,
-    check_prompt,
+    begin,
 )
 from m2r2.model import Transformer
 
@@ -40,16 +38,8 @@ class Autoregressive:
     def generate(
         self, prompt: list[int], gen: GenerationConfig, stream: StreamCallback | None = None
     ) -> GenerationResult:
-        gen.validate()
-        ctx = self.model.cfg.max_position_embeddings
-        check_prompt(prompt, ctx)
-        t0 = time.perf_counter()
-        room = ctx - len(prompt)
-        stopper = Stopper(gen, self.eos_ids, self.decode, room)
+        t0, stopper, cache, logits = begin(self.model, prompt, gen, self.eos_ids, self.decode)
         sampler = Sampler(gen, self.model.device)
-        cache = self.model.new_cache(cache_capacity(len(prompt), stopper.budget, ctx))
-        ids = torch.tensor([prompt], device=self.model.device)
-        logits = self.model(ids, cache, 0, last_only=True)
         steps = 1
         while True:
             tok = sampler(logits[0, -1])

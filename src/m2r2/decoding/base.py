@@ -12,12 +12,16 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor
 
 from m2r2.errors import InputError, SettingsError
+
+if TYPE_CHECKING:
+    from m2r2.cache import KVCache
+    from m2r2.model import Transformer
 
 #: Called with the token ids accepted since the last call (one or several at a time).
 StreamCallback = Callable[[list[int]], None]
@@ -100,6 +104,30 @@ def check_prompt(prompt: list[int], context: int) -> None:
         raise InputError("the prompt is empty")
     if len(prompt) >= context:
         raise InputError(f"the prompt has {len(prompt)} tokens; the model's context window is {context}")
+
+
+def begin(
+    model: Transformer,
+    prompt: list[int],
+    gen: GenerationConfig,
+    eos_ids: list[int],
+    decode: Callable[[list[int]], str] | None,
+) -> tuple[float, Stopper, KVCache, Tensor]:
+    """The start every strategy shares: check settings and prompt, start the clock, set up stopping,
+    allocate the cache at the common capacity and prefill the prompt.
+
+    Returns ``(t0, stopper, cache, logits)`` with the prompt's last-position logits ``[1, 1, V]``.
+    One place for this is what gives every method the same cache capacity (so their outputs are
+    bit-identical) and the same stopping rules.
+    """
+    gen.validate()
+    ctx = model.cfg.max_position_embeddings
+    check_prompt(prompt, ctx)
+    t0 = time.perf_counter()
+    stopper = Stopper(gen, eos_ids, decode, ctx - len(prompt))
+    cache = model.new_cache(cache_capacity(len(prompt), stopper.budget, ctx))
+    logits = model(torch.tensor([prompt], device=model.device), cache, 0, last_only=True)
+    return t0, stopper, cache, logits
 
 
 def warp_probs(logits: Tensor, gen: GenerationConfig) -> Tensor:

@@ -70,10 +70,8 @@ from m2r2.decoding import register
 from m2r2.decoding.base import (
     GenerationConfig,
     GenerationResult,
-    Stopper,
     StreamCallback,
-    cache_capacity,
-    check_prompt,
+    begin,
 )
 from m2r2.errors import SettingsError
 from m2r2.model import ROW_INVARIANT_MAX_ROWS, Transformer
@@ -202,15 +200,10 @@ class PendingDecoder:
         if not gen.greedy:
             raise SettingsError(f"{self.name} decodes greedily only (temperature 0); it is lossy by design")
         model = self.model
-        ctx = model.cfg.max_position_embeddings
-        check_prompt(prompt, ctx)
-        t0 = time.perf_counter()
-        stopper = Stopper(gen, self.eos_ids, self.decode, ctx - len(prompt))
+        t0, stopper, cache, logits = begin(model, prompt, gen, self.eos_ids, self.decode)
         self.budget = stopper.budget
-        cache = model.new_cache(cache_capacity(len(prompt), stopper.budget, ctx))
         self.cache = self.last_cache = cache
         self.pending, self.depths = [], []
-        logits = model(torch.tensor([prompt], device=model.device), cache, 0, last_only=True)
         tok = int(logits[0, -1].argmax())
         self.start(cache)
         c = _Counters()

@@ -28,10 +28,8 @@ from m2r2.decoding import register
 from m2r2.decoding.base import (
     GenerationConfig,
     GenerationResult,
-    Stopper,
     StreamCallback,
-    cache_capacity,
-    check_prompt,
+    begin,
 )
 from m2r2.errors import SettingsError
 from m2r2.model import ROW_INVARIANT_MAX_ROWS, Transformer
@@ -113,14 +111,10 @@ class Lookahead:
         if not gen.greedy:
             raise SettingsError("lookahead decoding here is greedy only; use temperature 0 or another method")
         model = self.model
-        ctx = model.cfg.max_position_embeddings
-        check_prompt(prompt, ctx)
-        t0 = time.perf_counter()
-        stopper = Stopper(gen, self.eos_ids, self.decode, ctx - len(prompt))
+        t0, stopper, cache, logits = begin(model, prompt, gen, self.eos_ids, self.decode)
         step_tokens = 1 + self.W + self.G * (self.N - 1)
-        cache = model.new_cache(cache_capacity(len(prompt), stopper.budget, ctx))
+        ctx = model.cfg.max_position_embeddings
         dev = model.device
-        logits = model(torch.tensor([prompt], device=dev), cache, 0, last_only=True)
         tok = int(logits[0, -1].argmax())
         pool = NgramPool(self.N, per_key=self.G)
         pool.add_sequence(prompt)

@@ -34,10 +34,8 @@ from m2r2.decoding.base import (
     GenerationConfig,
     GenerationResult,
     Sampler,
-    Stopper,
     StreamCallback,
-    cache_capacity,
-    check_prompt,
+    begin,
 )
 from m2r2.errors import SettingsError
 from m2r2.model import Transformer
@@ -106,17 +104,11 @@ class MixtureOfDepths:
     def generate(
         self, prompt: list[int], gen: GenerationConfig, stream: StreamCallback | None = None
     ) -> GenerationResult:
-        gen.validate()
         m = self.model
-        ctx = m.cfg.max_position_embeddings
-        check_prompt(prompt, ctx)
-        t0 = time.perf_counter()
-        stopper = Stopper(gen, self.eos_ids, self.decode, ctx - len(prompt))
+        t0, stopper, cache, logits = begin(m, prompt, gen, self.eos_ids, self.decode)
         sampler = Sampler(gen, m.device)
-        cache = m.new_cache(cache_capacity(len(prompt), stopper.budget, ctx))
         valid = torch.ones(m.cfg.num_layers, cache.max_len, dtype=torch.bool, device=m.device)
         self.holes = set()
-        logits = m(torch.tensor([prompt], device=m.device), cache, 0, last_only=True)
         n_layers = m.cfg.num_layers
         layers_run, steps = [n_layers], 1  # the prefill's last position gives the first token
         while True:

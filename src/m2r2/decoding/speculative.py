@@ -33,10 +33,8 @@ from m2r2.decoding.base import (
     GenerationConfig,
     GenerationResult,
     Sampler,
-    Stopper,
     StreamCallback,
-    cache_capacity,
-    check_prompt,
+    begin,
     warp_probs,
 )
 from m2r2.errors import SettingsError
@@ -115,17 +113,11 @@ class SelfSpeculative:
     def generate(
         self, prompt: list[int], gen: GenerationConfig, stream: StreamCallback | None = None
     ) -> GenerationResult:
-        gen.validate()
         model = self.model
-        ctx = model.cfg.max_position_embeddings
-        check_prompt(prompt, ctx)
-        t0 = time.perf_counter()
-        stopper = Stopper(gen, self.eos_ids, self.decode, ctx - len(prompt))
+        t0, stopper, cache, logits = begin(model, prompt, gen, self.eos_ids, self.decode)
         sampler = Sampler(gen, model.device)
-        cache = model.new_cache(cache_capacity(len(prompt), stopper.budget, ctx))
         self.last_cache = cache
         drafter = self.make_drafter(cache)
-        logits = model(torch.tensor([prompt], device=model.device), cache, 0, last_only=True)
         tok = sampler(logits[0, -1])
         emitted = [tok]
         passes = drafted = accepted = draft_steps = 0
