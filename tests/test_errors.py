@@ -246,5 +246,7 @@ def test_bad_kernel_and_threads(tiny_model) -> None:
         load_model(d, torch.float32, kernel="cublas")
     with pytest.raises(SettingsError, match="bf16"):
         load_model(d, torch.float32, kernel="mkldnn")
+    with pytest.raises(SettingsError, match="q4 kernel needs bf16"):
+        load_model(d, torch.float32, kernel="q4")
     with pytest.raises(SettingsError, match="threads"):
         Engine(model=d, dtype="fp32", threads=-2)
