@@ -30,7 +30,8 @@ for p in load_dataset("mt_bench").prompts[:12]:
     r = ref.chat(msgs, gen=gen)
     for k, e in engines.items():
         c = e.chat(msgs, gen=gen)
-        prefix = next((i for i, (a, b) in enumerate(zip(c.result.tokens, r.result.tokens, strict=False)) if a != b), None)
+        pairs = zip(c.result.tokens, r.result.tokens, strict=False)
+        prefix = next((i for i, (a, b) in enumerate(pairs) if a != b), None)
         rows[k].append(
             {
                 "tps": c.result.tokens_per_s,
