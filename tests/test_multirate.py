@@ -214,3 +214,56 @@ def test_shipped_adapters_load_by_default_on_bundled_model():
         out = stream.draft_step(tokens[:, 6:], cache, 6)
     assert out.logits.shape == (1, 2, lm.model.cfg.vocab_size) and bool(out.logits.isfinite().all())
     assert any(float(p.abs().max()) > 0 for n, p in stream.named_parameters() if ".B." in n), "B must be trained"
+
+
+
+@pytest.mark.parametrize("kernel", ["plain", "mkldnn", "q4"])
+def test_merged_fast_layers_match_low_rank_deltas_and_leave_base_alone(kernel):
+    from m2r2.model import mkldnn_usable, q4_usable, use_kernels
+
+    torch.manual_seed(8)  # widths that fit every kernel (q4 wants multiples of 32)
+    cfg = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=6, num_heads=4, num_kv_heads=2)
+    model = Transformer(cfg).eval()
+    if kernel != "plain":
+        model = model.to(torch.bfloat16)
+        if not {"mkldnn": mkldnn_usable, "q4": q4_usable}[kernel](model):
+            pytest.skip(f"{kernel} kernel not available here")
+        use_kernels(model, kernel)
+    stream = FastStream(model, FastConfig.build(6, rate=2, rank=4))
+    randomize(stream, 0.3)
+    tokens = torch.randint(0, 97, (1, 12))
+    with torch.no_grad():
+        before = model(tokens, model.new_cache(12), 0)
+        cache = model.new_cache(12)
+        model(tokens[:, :8], cache, 0)
+        lora = stream.freeze().draft_step(tokens[:, 8:], cache, 8)
+        assert stream.freeze(merge=True).merged is not None and len(stream.merged) == 3
+        merged = stream.draft_step(tokens[:, 8:], cache, 8)
+        after = model(tokens, model.new_cache(12), 0)
+        plain = FastStream(model, stream.cfg)
+        plain.use_adapters = False
+        base_states = plain.freeze().draft_step(tokens[:, 8:], cache, 8).states
+    if kernel != "q4":  # folding changes the kernel, not the function: equal up to rounding
+        tol = 1e-4 if kernel == "plain" else 0.1
+        for a, b in zip(lora.states, merged.states, strict=True):
+            torch.testing.assert_close(b.float(), a.float(), atol=tol, rtol=tol)
+    # q4 re-quantizes W + BA (lossy on random weights), still far closer to the adapted stream than the base
+    err = (merged.states[-1] - lora.states[-1]).float().norm()
+    assert err < 0.5 * (base_states[-1] - lora.states[-1]).float().norm()
+    # the slow stream (the base model) is bit-for-bit untouched by folding
+    assert torch.equal(before, after)
+    assert all(not n.startswith(("base", "merged")) for n in stream.state_dict())
+    stream.train()
+    assert stream.merged is None, "training must drop folded copies (they would go stale)"
+
+def test_merged_forward_train_is_the_inference_form():
+    model = tiny(9)
+    stream = FastStream(model, FastConfig.build(6, rate=2, rank=4))
+    randomize(stream)
+    tokens = torch.randint(0, 97, (2, 10))
+    cache, _ = slow_pass(model, tokens)
+    starts = block_starts(10, [10])
+    with torch.no_grad():
+        ref = stream.freeze().forward_train(model.embed_tokens(tokens), cache.k, cache.v, starts)
+        got = stream.freeze(merge=True).forward_train(model.embed_tokens(tokens), cache.k, cache.v, starts)
+    torch.testing.assert_close(got[-1], ref[-1], atol=1e-4, rtol=1e-4)

@@ -359,7 +359,7 @@ def cmd_eval_align(args: argparse.Namespace) -> int:
 
     engine = _engine(args, quiet=args.json)
     stream = load_default(engine.model, engine.fingerprint, Path(args.adapters) if args.adapters else None)
-    stream.to(engine.model.device).freeze()
+    stream.to(engine.model.device).freeze(merge=args.merged)
     prompts = eval_prompts(args.dataset, Path(args.eval_root), args.limit)
     ids = [engine.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in prompts]
     records: list[dict] = []
@@ -573,6 +573,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--block", type=int, default=1, help="draft block length emulated (default 1)")
     e.add_argument("--adapters", default=None, help="adapter .safetensors (default: the shipped ones)")
     e.add_argument("--answers", default=None, help="JSONL to save the base model's answers to, or reuse them from")
+    e.add_argument(
+        "--merged",
+        action="store_true",
+        help="evaluate the inference form: adapters folded into copies of the fast layers, in the decoding "
+        "kernel (what m2r2 / m2r2-dynamic run); default: the training form (base layers + low-rank deltas)",
+    )
     e.add_argument("--json", action="store_true", help="print JSON (layers: [{layer, agree_fast, ...}])")
     _add_model_args(e)
     e.set_defaults(func=cmd_eval_align)

@@ -540,6 +540,57 @@ class Int4Linear(nn.Module):
         return y.view(*shape[:-1], y.shape[-1])
 
 
+def dense_weight(lin: nn.Module) -> Tensor:
+    """The float32 weight ``[out, in]`` that a linear layer of any of our kernels applies.
+
+    Packed kernels keep no unpacked copy, so the weight is read back by running the layer on the
+    identity matrix: exact for the bf16 kernels, and the de-quantized weight (rounded to bf16) for
+    the int8/q4 ones. Used to fold the accelerator adapters into private copies of the fast
+    stream's layers (:meth:`m2r2.multirate.fast.FastStream.freeze`).
+    """
+    if isinstance(lin, nn.Linear):
+        return lin.weight.detach().float()
+    bias = getattr(lin, "bias", None)
+    dtype = bias.dtype if bias is not None else torch.bfloat16
+    if isinstance(lin, Int8Linear):
+        dtype = lin.scales.dtype
+    eye = torch.eye(lin.in_features, dtype=dtype, device=_device_of(lin))
+    y = lin(eye).float()
+    if bias is not None:
+        y = y - bias.float()
+    return y.t().contiguous()
+
+
+def _device_of(mod: nn.Module) -> torch.device:
+    for t in list(mod.parameters()) + list(mod.buffers()) + [v for v in vars(mod).values() if isinstance(v, Tensor)]:
+        return t.device
+    return torch.device("cpu")
+
+
+def linear_like(lin: nn.Module, weight: Tensor) -> nn.Module:
+    """A frozen linear layer applying ``weight`` (float ``[out, in]``) with the same kernel as ``lin``."""
+    bias = getattr(lin, "bias", None)
+    if isinstance(lin, nn.Linear):
+        dtype = lin.weight.dtype
+    elif isinstance(lin, Int8Linear):
+        dtype = lin.scales.dtype
+    else:  # the packed bf16 / 4-bit kernels take bf16 activations
+        dtype = torch.bfloat16
+    plain = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device, dtype=dtype)
+    with torch.no_grad():
+        plain.weight.copy_(weight)
+        if bias is not None:
+            plain.bias.copy_(bias)
+    plain.requires_grad_(False)
+    if isinstance(lin, Int4Linear):
+        return Int4Linear(plain, weight.float())
+    if isinstance(lin, PackedLinear):
+        return PackedLinear(plain)
+    if isinstance(lin, Int8Linear):
+        return Int8Linear(plain)
+    return plain
+
+
 KERNELS = ("auto", "plain", "mkldnn", "int8", "q4")
 
 

@@ -79,7 +79,7 @@ def _fast_stream(engine: Engine, adapters: Path | None) -> FastStream:
             f"`m2r2 train --model {engine.model_dir}` and copy adapters.safetensors/.json to "
             f"{engine.model_dir / 'fast'}, or leave m2r2 out of --policies"
         ) from e
-    return fast.to(engine.model.device).freeze()
+    return fast.to(engine.model.device).freeze(merge=True)
 
 
 def run_moe(engine: Engine, settings: BenchSettings) -> dict[str, Any]:

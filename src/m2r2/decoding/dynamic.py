@@ -491,8 +491,8 @@ class FastStreamExit(PendingDecoder):
             layer = fast.cfg.path[i]
             visible = [d > i for d in self.depths] + [True]
             mask = torch.cat([slow_keys, torch.tensor(visible)])[None].to(base.device)
-            lora = fast.adapters[i].lora() if fast.use_adapters else None
-            f, kv = fast_layer(base.layers[layer], f, cos, sin, cache.view(layer, verified), mask, lora, self.block[i])
+            blk, lora = fast.layer(i)
+            f, kv = fast_layer(blk, f, cos, sin, cache.view(layer, verified), mask, lora, self.block[i])
             states.append(f)
             new_kv.append(kv)
             j = i + 1
@@ -528,7 +528,7 @@ def _m2r2_dynamic(
 
     check_threshold(threshold)  # before loading anything
     fast = load_default(engine.model, engine.fingerprint, Path(adapters) if adapters else None)
-    fast.to(engine.model.device).freeze()
+    fast.to(engine.model.device).freeze(merge=True)
     tok = engine.tokenizer
     return FastStreamExit(engine.model, fast, tok.eos_ids, tok.decode, threshold, exits, max_pending)
 

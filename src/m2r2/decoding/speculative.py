@@ -283,7 +283,7 @@ def build_self_speculative(
     adaptive: bool = True,
 ) -> SelfSpeculative:
     """A :class:`SelfSpeculative` strategy drafting with ``fast`` on the engine's model."""
-    fast.to(engine.model.device).freeze()
+    fast.to(engine.model.device).freeze(merge=True)
 
     def make(cache: object) -> Drafter:
         return FastStreamDrafter(fast, cache, use_arla=use_arla)  # type: ignore[arg-type]

@@ -296,7 +296,6 @@ class M2R2Prefetch(Policy):
         self.targets = {
             j: [t for t in range(r * j - r + offset, r * j + offset) if t in sparse] for j in range(1, cfg.depth + 1)
         }
-        self.loras = [a.lora() if fast.use_adapters else None for a in fast.adapters]
         self.cache_only = CacheOnly(self)
         self.f: Tensor | None = None
 
@@ -323,13 +322,13 @@ class M2R2Prefetch(Policy):
         path = self.fast.cfg.path
         while self.f is not None and self.j < len(path) and path[self.j] <= layer:
             b = path[self.j]
-            block = self.model.layers[b]
+            block, lora = self.fast.layer(self.j)
             moe = block.mlp if isinstance(block.mlp, MoE) else None
             if moe is not None:
                 moe.source = self.cache_only
             try:
                 self.f, _ = fast_layer(
-                    block, self.f, self.cos, self.sin, self.kv.view(b, self.pos), self.mask, self.loras[self.j]
+                    block, self.f, self.cos, self.sin, self.kv.view(b, self.pos), self.mask, lora
                 )
             finally:
                 if moe is not None:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from m2r2.errors import InputError
 from m2r2.model import Transformer
+from m2r2.multirate.adapters import projection_shapes
 from m2r2.multirate.fast import FastStream, block_starts
 from m2r2.training.loop import collate, make_sequences
 
@@ -35,11 +36,17 @@ def eval_prompts(dataset: str, root: Path, limit: int) -> list[str]:
 
 
 def step_costs(model: Transformer, stream: FastStream) -> tuple[float, float]:
-    """Parameters read per token by a draft step and by a full step (decode on CPU is memory-bound)."""
-    layer = sum(p.numel() for p in model.layers[0].parameters())
-    head = model.cfg.vocab_size * model.cfg.hidden_size
-    lora = sum(p.numel() for p in stream.adapters[0].parameters())
-    return stream.cfg.depth * (layer + lora) + head, model.cfg.num_layers * layer + head
+    """Weights read per token by a draft step and by a full step (decode on CPU is memory-bound).
+
+    Counted from the shapes (packed kernels hold their weights in buffers, not parameters). A
+    dense layer's projections; a draft step adds the low-rank deltas unless they are folded in
+    (``freeze(merge=True)``), where a fast layer reads what a base layer reads.
+    """
+    cfg = model.cfg
+    layer = sum(i * o for i, o in projection_shapes(cfg).values())
+    head = cfg.vocab_size * cfg.hidden_size
+    lora = 0 if stream.merged is not None else sum(p.numel() for p in stream.adapters[0].parameters())
+    return stream.cfg.depth * (layer + lora) + head, cfg.num_layers * layer + head
 
 
 def expected_speedup(alpha: float, cost_ratio: float, max_gamma: int = 8) -> tuple[float, int]:
