@@ -216,7 +216,6 @@ def test_shipped_adapters_load_by_default_on_bundled_model():
     assert any(float(p.abs().max()) > 0 for n, p in stream.named_parameters() if ".B." in n), "B must be trained"
 
 
-
 @pytest.mark.parametrize("kernel", ["plain", "mkldnn", "q4"])
 def test_merged_fast_layers_match_low_rank_deltas_and_leave_base_alone(kernel):
     from m2r2.model import mkldnn_usable, q4_usable, use_kernels
@@ -256,6 +255,7 @@ def test_merged_fast_layers_match_low_rank_deltas_and_leave_base_alone(kernel):
     stream.train()
     assert stream.merged is None, "training must drop folded copies (they would go stale)"
 
+
 def test_merged_forward_train_is_the_inference_form():
     model = tiny(9)
     stream = FastStream(model, FastConfig.build(6, rate=2, rank=4))
@@ -267,3 +267,56 @@ def test_merged_forward_train_is_the_inference_form():
         ref = stream.freeze().forward_train(model.embed_tokens(tokens), cache.k, cache.v, starts)
         got = stream.freeze(merge=True).forward_train(model.embed_tokens(tokens), cache.k, cache.v, starts)
     torch.testing.assert_close(got[-1], ref[-1], atol=1e-4, rtol=1e-4)
+
+
+def test_draft_vocabulary_head_scores_only_its_tokens_and_roundtrips(tmp_path):
+    model = tiny(10)
+    fp = tensor_fingerprint(model)
+    stream = FastStream(model, FastConfig.build(6, rate=2, rank=4))
+    randomize(stream)
+    ids = [3, 5, 8, 13, 21, 34, 55, 89]
+    stream.draft_vocab = torch.tensor(ids)
+    f = torch.randn(2, 3, 48)
+    with torch.no_grad():
+        full = stream.freeze().exit_logits(f)  # no folding: the whole head, vocabulary ignored
+        sub = stream.freeze(merge=True).exit_logits(f)
+    assert torch.equal(full, model.head(f))
+    torch.testing.assert_close(sub[..., ids], full[..., ids], atol=1e-5, rtol=1e-5)
+    outside = torch.ones(97, dtype=torch.bool)
+    outside[ids] = False
+    assert bool(torch.isneginf(sub[..., outside]).all())
+    # saved with the adapters, and checked on load
+    path = save_adapters(tmp_path / "v.safetensors", stream, fp, dtype=torch.float32)
+    assert load_adapters(path, model, fp).draft_vocab.tolist() == ids
+    from safetensors.torch import load_file, save_file
+
+    from m2r2.multirate.io import DRAFT_VOCAB, file_hash
+
+    sd = load_file(str(path))
+    sd[DRAFT_VOCAB] = torch.tensor([3, 3, 500], dtype=torch.int32)
+    save_file(sd, str(path))
+    meta = json.loads(sidecar(path).read_text())
+    meta["weights_sha256"] = file_hash(path)
+    sidecar(path).write_text(json.dumps(meta))
+    with pytest.raises(WeightsError, match="draft vocabulary"):
+        load_adapters(path, model, fp)
+
+
+def test_draft_vocabulary_choice():
+    from collections import Counter
+
+    from m2r2.training.vocab import coverage, draft_vocabulary
+
+    answers = Counter({5: 10, 7: 10, 9: 3, 11: 1})
+    prompts = Counter({40: 100, 9: 1})
+    ids = draft_vocabulary(answers, prompts, 4, 50, keep=[2])
+    # 2 kept (EOS); then by score: 5 and 7 (0.42 each), 40 (0.5 * 0.99), then 9 (0.125 + 0.005)
+    assert ids.tolist() == [2, 5, 7, 40]
+    assert draft_vocabulary(answers, Counter(), 3, 50).tolist() == [5, 7, 9]  # ties by smaller id
+    assert coverage(ids, [5, 5, 9, 2]) == 0.75
+    with pytest.raises(SettingsError):
+        draft_vocabulary(answers, prompts, 0, 50, keep=[2])
+    from m2r2.errors import InputError
+
+    with pytest.raises(InputError):
+        draft_vocabulary(Counter(), prompts, 4, 50)

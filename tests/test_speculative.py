@@ -37,14 +37,22 @@ def tiny_model(seed: int, vocab: int = 64, layers: int = 4, dtype: torch.dtype =
     return model
 
 
-def fast_stream(model: Transformer, depth: int, noise: float, seed: int) -> FastStream:
-    """A fast stream over the first ``depth`` layers; ``noise`` > 0 perturbs its adapters."""
+def fast_stream(
+    model: Transformer, depth: int, noise: float, seed: int, fold: bool = False, vocab: list[int] | None = None
+) -> FastStream:
+    """A fast stream over the first ``depth`` layers; ``noise`` > 0 perturbs its adapters.
+
+    ``fold`` runs the inference form (adapters folded into copies of the layers), ``vocab`` a
+    reduced draft head over those token ids.
+    """
     fast = FastStream(model, FastConfig.build(model.cfg.num_layers, depth=depth, rank=4))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in fast.parameters():
             p.add_(torch.randn(p.shape, generator=g) * noise)
-    return fast.freeze()
+    if vocab is not None:
+        fast.draft_vocab = torch.tensor(sorted(vocab))
+    return fast.freeze(merge=fold)
 
 
 def spec(model: Transformer, fast: FastStream, max_draft: int, stop_below: float = 0.0, eos=(), **kw):
@@ -82,7 +90,10 @@ CASES = [
 def test_greedy_speculative_equals_plain_greedy(seed, depth, noise, gamma, dtype):
     rng = random.Random(seed)
     model = tiny_model(seed, dtype=dtype)
-    fast = fast_stream(model, depth, noise, seed)
+    perfect = depth == model.cfg.num_layers and noise == 0.0
+    fold = seed % 2 == 1  # half the cases run the inference form, with a random half-vocabulary draft head
+    vocab = rng.sample(range(64), 32) if fold and not perfect else None
+    fast = fast_stream(model, depth, noise, seed, fold, vocab)
     for _ in range(3):
         prompt = [rng.randrange(64) for _ in range(rng.randint(1, 30))]
         gen = GenerationConfig(max_new_tokens=rng.randint(1, 60))
@@ -91,7 +102,7 @@ def test_greedy_speculative_equals_plain_greedy(seed, depth, noise, gamma, dtype
         assert out.tokens == ref.tokens
         assert out.stop_reason == ref.stop_reason
         assert out.stats["verify_passes"] <= len(ref.tokens)
-        if depth == model.cfg.num_layers and noise == 0.0 and len(ref.tokens) > 1:
+        if perfect and len(ref.tokens) > 1:
             # the perfect drafter is always accepted: every verify pass emits the whole block
             assert out.stats["acceptance_rate"] == 1.0
 
@@ -169,13 +180,18 @@ def _exact_marginal(model: Transformer, prompt: list[int], gen: GenerationConfig
     return out
 
 
-@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.7, 4, 0.9)])
-def test_speculative_sampling_reproduces_the_target_distribution(temperature, top_k, top_p):
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p", "draft_vocab"),
+    [(1.0, 0, 1.0, None), (0.7, 4, 0.9, None), (1.0, 0, 1.0, [0, 2, 3, 5])],
+)
+def test_speculative_sampling_reproduces_the_target_distribution(temperature, top_k, top_p, draft_vocab):
     vocab = 6
     model = tiny_model(3, vocab=vocab, layers=3)
     with torch.no_grad():
         model.embed.weight.div_(32)  # flatter distributions: every token gets real mass
-    fast = fast_stream(model, 1, 1.0, 3)  # an imperfect drafter: about 70% overlap with the target
+    # an imperfect drafter: about 70% overlap with the target; with a draft vocabulary it never
+    # proposes tokens 1 and 4, which the target must still produce at their own rate
+    fast = fast_stream(model, 1, 1.0, 3, fold=draft_vocab is not None, vocab=draft_vocab)
     prompt = [1, 2]
     strategy = spec(model, fast, 3)
     n = 3000

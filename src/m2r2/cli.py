@@ -385,6 +385,35 @@ def cmd_eval_align(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_draft_vocab(args: argparse.Namespace) -> int:
+    from m2r2.multirate.io import bundled_adapters, load_adapters, read_meta, save_adapters
+    from m2r2.training.vocab import build_from_files
+
+    engine = _engine(args, quiet=True)
+    src = Path(args.adapters) if args.adapters else bundled_adapters(engine.fingerprint)
+    if src is None:
+        raise M2R2Error("no adapters ship for this base model; pass --adapters PATH")
+    stream = load_adapters(src, engine.model, engine.fingerprint)
+    hf = engine.tokenizer.hf
+
+    def encode(texts: list[str]) -> list[list[int]]:
+        return hf(texts, add_special_tokens=False)["input_ids"]
+
+    prompts = Path(args.prompts) if args.prompts else None
+    size = min(args.size, engine.model.cfg.vocab_size)
+    stream.draft_vocab = build_from_files(
+        Path(args.data), prompts, size, engine.model.cfg.vocab_size, engine.tokenizer.eos_ids, encode
+    )
+    info = {k: v for k, v in read_meta(src).items() if k not in ("format", "version", "config", "base_fingerprint")}
+    info.pop("weights_sha256", None)
+    info.pop("dtype", None)
+    info["draft_vocab"] = {"size": size, "data": str(args.data), "prompts": str(prompts) if prompts else None}
+    out = Path(args.out) if args.out else src
+    save_adapters(out, stream, engine.fingerprint, **info)
+    print(json.dumps({"adapters": str(out.with_suffix(".safetensors")), "draft_vocab": size}))
+    return 0
+
+
 def cmd_moefy(args: argparse.Namespace) -> int:
     import torch
 
@@ -582,6 +611,23 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--json", action="store_true", help="print JSON (layers: [{layer, agree_fast, ...}])")
     _add_model_args(e)
     e.set_defaults(func=cmd_eval_align)
+
+    dv = sub.add_parser(
+        "draft-vocab",
+        help="store a reduced draft vocabulary (most frequent tokens) in an adapter file",
+        description="The fast stream's draft head then scores only these tokens (all others get -inf): the LM "
+        "head costs in proportion to the vocabulary. Counts the distilled answers' tokens, topped up with the "
+        "training prompts'; end-of-sequence ids are always kept. Rewrites the adapter file atomically.",
+    )
+    dv.add_argument("--adapters", default=None, help="adapter .safetensors (default: the shipped ones)")
+    dv.add_argument("--data", default="runs/train/data.jsonl", help="distilled answers JSONL (m2r2 distill-data)")
+    dv.add_argument(
+        "--prompts", default="../shared/data/train/prompts.jsonl", help="training prompts JSONL ('' to skip)"
+    )
+    dv.add_argument("--size", type=int, default=8192, help="tokens kept (default 8192 of 49152)")
+    dv.add_argument("--out", default=None, help="write here instead of rewriting --adapters")
+    _add_model_args(dv)
+    dv.set_defaults(func=cmd_draft_vocab)
 
     mf = sub.add_parser(
         "moefy",

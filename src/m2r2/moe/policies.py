@@ -327,9 +327,7 @@ class M2R2Prefetch(Policy):
             if moe is not None:
                 moe.source = self.cache_only
             try:
-                self.f, _ = fast_layer(
-                    block, self.f, self.cos, self.sin, self.kv.view(b, self.pos), self.mask, lora
-                )
+                self.f, _ = fast_layer(block, self.f, self.cos, self.sin, self.kv.view(b, self.pos), self.mask, lora)
             finally:
                 if moe is not None:
                     moe.source = self

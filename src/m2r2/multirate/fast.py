@@ -236,6 +236,9 @@ class FastStream(nn.Module):
         #: Fast layers with the adapters folded in (:meth:`freeze` with ``merge``); a plain list, so
         #: they stay out of ``state_dict`` and of the optimiser.
         self.merged: list[Block] | None = None
+        #: Token ids the draft head scores (sorted; None = the whole vocabulary); see :meth:`freeze`.
+        self.draft_vocab: Tensor | None = None
+        self.sub_head: nn.Module | None = None
 
     base: Transformer
 
@@ -249,14 +252,20 @@ class FastStream(nn.Module):
         self.eval().requires_grad_(False)
         for a in self.adapters:
             a.freeze(self.base.dtype)
-        self.merged = None
+        self.merged, self.sub_head = None, None
         if merge and self.use_adapters:
-            self.merged = [merged_block(self.base.layers[i], a) for i, a in zip(self.cfg.path, self.adapters, strict=True)]
+            pairs = zip(self.cfg.path, self.adapters, strict=True)
+            self.merged = [merged_block(self.base.layers[i], a) for i, a in pairs]
+        if merge and self.draft_vocab is not None:
+            head = self.base.lm_head
+            ids = self.draft_vocab.to(self.base.device)
+            with torch.no_grad():  # not registered as a submodule: it stays out of state_dict, like ``merged``
+                object.__setattr__(self, "sub_head", linear_like(head, dense_weight(head)[ids]))
         return self
 
     def train(self, mode: bool = True) -> FastStream:
         if mode:
-            self.merged = None  # parameters may change: folded copies would go stale
+            self.merged, self.sub_head = None, None  # parameters may change: folded copies would go stale
         return super().train(mode)
 
     def layer(self, j: int) -> tuple[Block, Any]:
@@ -284,8 +293,19 @@ class FastStream(nn.Module):
         return states
 
     def exit_logits(self, f: Tensor) -> Tensor:
-        """``W . Norm(f)`` in float32."""
-        return self.base.head(f)
+        """``W . Norm(f)`` in float32.
+
+        With a draft vocabulary (set before ``freeze(merge=True)``), only its rows of ``W`` are
+        computed and every other token gets ``-inf``: the bundled model's 49k-word head costs as
+        much as ~5 of its layers, and a draft can only be accepted where the fast stream is right,
+        which is mostly on frequent tokens (BENCHMARKS.md has the measured coverage). Drafts stay
+        a proper distribution (zero outside the vocabulary), so speculative sampling stays exact.
+        """
+        if self.sub_head is None or self.draft_vocab is None:
+            return self.base.head(f)
+        sub = self.sub_head(self.base.norm(f)).float()
+        out = sub.new_full((*sub.shape[:-1], self.base.cfg.vocab_size), float("-inf"))
+        return out.index_copy_(-1, self.draft_vocab.to(sub.device), sub)
 
     def draft_step(
         self,

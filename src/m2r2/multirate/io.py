@@ -25,6 +25,8 @@ from m2r2.multirate.fast import FastConfig, FastStream
 
 FORMAT = "m2r2-adapters"
 VERSION = 1
+#: Optional tensor of an adapter file: the draft head's token ids (see ``FastStream.exit_logits``).
+DRAFT_VOCAB = "draft_vocab"
 
 
 def tensor_fingerprint(model: Transformer) -> str:
@@ -56,6 +58,8 @@ def save_adapters(
     path = Path(path).with_suffix(".safetensors")
     path.parent.mkdir(parents=True, exist_ok=True)
     sd = {k: v.detach().to(dtype).contiguous() for k, v in stream.state_dict().items()}
+    if stream.draft_vocab is not None:
+        sd[DRAFT_VOCAB] = stream.draft_vocab.to(torch.int32).cpu().contiguous()
     _atomic_write(path, lambda p: save_file(sd, str(p), metadata={"format": FORMAT}))
     meta = {
         "format": FORMAT,
@@ -103,11 +107,22 @@ def load_adapters(path: Path, model: Transformer, fingerprint: str) -> FastStrea
             sd = {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118 (safe_open is not a dict)
     except (SafetensorError, OSError, RuntimeError, ValueError) as e:
         raise WeightsError(f"adapter weights {path} are corrupt: {e}") from e
+    vocab = sd.pop(DRAFT_VOCAB, None)
     expected = stream.state_dict()
     if set(sd) != set(expected) or any(sd[k].shape != expected[k].shape for k in sd):
         raise WeightsError(f"adapter weights {path} do not match their config {meta['config']}")
     stream.load_state_dict({k: v.float() for k, v in sd.items()})
+    if vocab is not None:
+        stream.draft_vocab = check_vocab(vocab, model.cfg.vocab_size, path)
     return stream
+
+
+def check_vocab(ids: torch.Tensor, vocab_size: int, where: object) -> torch.Tensor:
+    """A draft vocabulary as sorted unique int64 ids inside the model's vocabulary, or a WeightsError."""
+    ids = ids.long().flatten()
+    if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab_size or ids.unique().numel() != ids.numel():
+        raise WeightsError(f"{where}: the draft vocabulary must be distinct token ids in 0..{vocab_size - 1}")
+    return ids.sort().values
 
 
 def bundled_adapters(fingerprint: str) -> Path | None:

@@ -40,13 +40,17 @@ def step_costs(model: Transformer, stream: FastStream) -> tuple[float, float]:
 
     Counted from the shapes (packed kernels hold their weights in buffers, not parameters). A
     dense layer's projections; a draft step adds the low-rank deltas unless they are folded in
-    (``freeze(merge=True)``), where a fast layer reads what a base layer reads.
+    (``freeze(merge=True)``), where a fast layer reads what a base layer reads, and reads only its
+    draft vocabulary's rows of the head when it has one.
     """
     cfg = model.cfg
     layer = sum(i * o for i, o in projection_shapes(cfg).values())
     head = cfg.vocab_size * cfg.hidden_size
+    draft_head = head
+    if stream.sub_head is not None and stream.draft_vocab is not None:
+        draft_head = stream.draft_vocab.numel() * cfg.hidden_size
     lora = 0 if stream.merged is not None else sum(p.numel() for p in stream.adapters[0].parameters())
-    return stream.cfg.depth * (layer + lora) + head, cfg.num_layers * layer + head
+    return stream.cfg.depth * (layer + lora) + draft_head, cfg.num_layers * layer + head
 
 
 def expected_speedup(alpha: float, cost_ratio: float, max_gamma: int = 8) -> tuple[float, int]:
@@ -82,7 +86,7 @@ def align_report(
         count += top.shape[0]
         for j in range(1, k + 1):
             target = model.norm(h[cfg.target(j)][mask]).float()
-            fast_hit = model.head(sel[j]).argmax(-1) == top
+            fast_hit = stream.exit_logits(sel[j]).argmax(-1) == top
             sums["agree_fast"][j] += fast_hit.sum().item()
             sums["agree_plain"][j] += (model.head(h[j][mask]).argmax(-1) == top).sum().item()
             sums["cos_fast"][j] += F.cosine_similarity(model.norm(sel[j]).float(), target, dim=-1).sum().item()
