@@ -130,6 +130,32 @@ def test_fast_probe_that_never_exits_reproduces_plain_greedy(monkeypatch: pytest
     assert out.stats["layers_per_token"] == pytest.approx(7 * 19 / 20)
 
 
+def test_probe_backoff_schedule_and_exactness(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = tiny(3)
+    fast = fast_stream(model)
+    ids = prompt(3)
+    calls: list[int] = []
+    answers = iter([0.0, 0.0, 0.0, 1.0] + [0.0] * 100)  # ARLA says exit on the 4th probe only
+
+    def arla(states, j):
+        calls.append(1)
+        return torch.tensor(next(answers))
+
+    monkeypatch.setattr(fast, "exit_probability", arla)
+    out = FastStreamExit(model, fast, [], threshold=0.5, backoff=2).generate(ids, GEN)
+    # generated indices 1..19 may be probed (n failed probes in a row skip min(n, 2) tokens):
+    # 1 probe, 2 skip, 3 probe, 4-5 skip, 6 probe, 7-8 skip, 9 probe (exit), 10 probe, 11 skip,
+    # 12 probe, 13-14 skip, 15 probe, 16-17 skip, 18 probe, 19 skip
+    assert out.stats["exits"] == 1
+    assert out.stats["probes"] == len(calls) == 8
+    never = FastStreamExit(model, fast, [], threshold=0.5, backoff=0)
+    monkeypatch.setattr(fast, "exit_probability", lambda states, j: torch.tensor(0.0))
+    assert never.generate(ids, GEN).stats["probes"] == GEN.max_new_tokens - 1
+    skipped = FastStreamExit(model, fast, [], threshold=0.5, backoff=5).generate(ids, GEN)
+    assert skipped.tokens == greedy(model, ids, GEN.max_new_tokens)  # a skipped probe is the full model
+    assert skipped.stats["probes"] < GEN.max_new_tokens - 1
+
+
 # --------------------------------------------------------------------------- exits and pending completion
 
 
@@ -248,6 +274,7 @@ def test_skip_decoding_schedule() -> None:
         (lambda m, f: FastStreamExit(m, f, [], exits="2,x"), "exits"),
         (lambda m, f: FastStreamExit(m, f, [], exits=[]), "exits"),
         (lambda m, f: FastStreamExit(m, f, [], max_pending=0), r"max_pending.*1\.\.31"),
+        (lambda m, f: FastStreamExit(m, f, [], backoff=-1), "backoff"),
         (lambda m, f: StaticExit(m, [], max_pending=32), "max_pending"),
         (lambda m, f: StaticExit(m, [], layer=0), r"layer.*1\.\.3"),
         (lambda m, f: StaticExit(m, [], layer=LAYERS), r"layer.*1\.\.3"),

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 #: bit for bit (tested), so their timing would only measure noise. Values chosen from a wider
 #: pilot sweep on MT-Bench (benchmarks/dynamic/NOTES.md) to cover each method's quality range.
 SWEEPS: dict[str, tuple[str, list[Any]]] = {
-    "m2r2-dynamic": ("threshold", [0.8, 0.7, 0.6, 0.5, 0.4, 0.3]),
+    "m2r2-dynamic": ("threshold", [0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1]),
     "static-exit": ("layer", [29, 24]),
     "calm": ("threshold", [0.99, 0.9, 0.5]),
     "skip-decoding": ("min_layer", [29, 26]),

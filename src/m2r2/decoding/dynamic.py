@@ -458,10 +458,14 @@ class FastStreamExit(PendingDecoder):
         threshold: float = 0.8,
         exits: Any = None,
         max_pending: int = 16,
+        backoff: int = 0,
     ):
         super().__init__(model, eos_ids, decode, max_pending)
         self.fast = fast
         self.threshold = check_threshold(threshold)
+        self.backoff = check_layer("backoff", backoff, 0, 1 << 20)
+        self.failed = 0  # consecutive probes that did not exit
+        self.skip = 0  # tokens left to decode without probing
         depth = fast.cfg.depth
         self.exits = check_layers("exits", exits if exits is not None else [depth], 1, depth)
         #: fast K/V of the pending tokens per fast layer (zeros where a token exited below the layer)
@@ -469,12 +473,31 @@ class FastStreamExit(PendingDecoder):
 
     def start(self, cache: KVCache) -> None:
         self.block = [None] * self.fast.cfg.depth
+        self.failed = self.skip = 0
 
     def completed(self) -> None:
         self.block = [None] * self.fast.cfg.depth
 
     def may_exit(self, index: int) -> bool:
-        return self.threshold < 1.0
+        """Probe unless backing off: after ``n`` probes in a row that did not exit, the next
+        ``min(n, backoff)`` tokens run the full model without a probe.
+
+        Why: unlike a probe over base layers (CALM, static exit), the fast stream's layers are not
+        reused by the slow pass, so a probe that does not exit is pure overhead (~0.4 of a step
+        here), and exits come in runs (easy spans of text). Skipping a probe only ever replaces an
+        early exit by the full model's own token, so quality can only rise; ``backoff=0`` probes
+        every token.
+        """
+        if self.threshold >= 1.0:
+            return False
+        if self.skip:
+            self.skip -= 1
+            return False
+        return True
+
+    def _outcome(self, exited: bool) -> None:
+        self.failed = 0 if exited else self.failed + 1
+        self.skip = min(self.failed, self.backoff)
 
     def probe(self, token: int, pos: int, index: int) -> Probe:
         fast, cache = self.fast, self.cache
@@ -498,7 +521,9 @@ class FastStreamExit(PendingDecoder):
             j = i + 1
             if j in self.exits and float(fast.exit_probability([s[0, -1] for s in states], j)) >= self.threshold:
                 self._extend_block(new_kv)
+                self._outcome(True)
                 return Probe(fast.exit_logits(f)[0, -1], j, j, 1)
+        self._outcome(False)
         return Probe(None, last, last, 0)
 
     def _extend_block(self, new_kv: list[tuple[Tensor, Tensor]]) -> None:
@@ -519,10 +544,15 @@ class FastStreamExit(PendingDecoder):
 @register(
     "m2r2-dynamic",
     "M2R2 dynamic compute (lossy): exit at the fast stream when ARLA >= threshold; options threshold, exits, "
-    "max_pending, adapters",
+    "max_pending, backoff (skip up to this many probes after probes that did not exit), adapters",
 )
 def _m2r2_dynamic(
-    engine: Engine, threshold: float = 0.8, exits: Any = None, max_pending: int = 16, adapters: str | None = None
+    engine: Engine,
+    threshold: float = 0.8,
+    exits: Any = None,
+    max_pending: int = 16,
+    adapters: str | None = None,
+    backoff: int = 0,
 ) -> FastStreamExit:
     from m2r2.multirate.io import load_default
 
@@ -530,7 +560,7 @@ def _m2r2_dynamic(
     fast = load_default(engine.model, engine.fingerprint, Path(adapters) if adapters else None)
     fast.to(engine.model.device).freeze(merge=True)
     tok = engine.tokenizer
-    return FastStreamExit(engine.model, fast, tok.eos_ids, tok.decode, threshold, exits, max_pending)
+    return FastStreamExit(engine.model, fast, tok.eos_ids, tok.decode, threshold, exits, max_pending, backoff)
 
 
 @register("static-exit", "baseline (lossy): every token exits at base layer L (options layer, max_pending)")

@@ -160,6 +160,15 @@ class SelfSpeculative:
                 "verify_passes_per_token": passes / ntok,
                 "draft_layers_per_token": draft_steps * drafter.layers_per_step / ntok,
                 "layers_per_token": (passes * n_layers + draft_steps * drafter.layers_per_step) / ntok,
+                # measured once per strategy, in units of a one-token slow step (what decides drafting)
+                **(
+                    {
+                        "draft_cost": self.costs.draft / self.costs.verify[0],
+                        "verify_cost": [v / self.costs.verify[0] for v in self.costs.verify],
+                    }
+                    if self.costs is not None
+                    else {}
+                ),
             },
         )
 
