@@ -351,6 +351,22 @@ def test_at_quality_interpolation() -> None:
     assert speedup_at([{"speedup": 1.3, "rouge_l": None}], 0.8) is None
 
 
+def test_margins_compare_every_baseline_point_at_its_quality() -> None:
+    from m2r2.bench.dynamic_suite import margins
+
+    ours = [{"speedup": 0.9, "rouge_l": 1.0}, {"speedup": 1.5, "rouge_l": 0.5}]
+    base = [
+        {"knob": 1, "speedup": 1.0, "rouge_l": 0.75},  # ours at 0.75: 1.2x -> +0.2
+        {"knob": 2, "speedup": 1.3, "rouge_l": 0.6},  # ours at 0.6: 1.38x -> +0.08
+        {"knob": 3, "speedup": 2.0, "rouge_l": 0.2},  # below our curve's reach: its best, 1.5x -> -0.5
+        {"knob": 4, "speedup": 0.5, "rouge_l": None},  # not measured: skipped
+    ]
+    got = margins({"m2r2-dynamic": ours, "calm": base})
+    assert [m["knob"] for m in got] == [1, 2, 3]
+    assert [round(m["margin"], 3) for m in got] == [0.2, 0.08, -0.5]
+    assert margins({"calm": base}) == []
+
+
 def test_dynamic_suite_end_to_end(tiny_model, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     from m2r2.bench.dynamic_suite import LEVELS, run_dynamic
     from m2r2.bench.harness import BenchSettings

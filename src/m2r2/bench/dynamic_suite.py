@@ -51,8 +51,10 @@ SWEEPS: dict[str, tuple[str, list[Any]]] = {
 DATASETS = ("mt_bench", "koala", "self_instruct", "wizardlm")
 LEVELS = (0.95, 0.9, 0.8)
 REFERENCE = "vanilla"
+#: The method whose curve the issue asks to lie above every baseline's (``margins``).
+OURS = "m2r2-dynamic"
 
-__all__ = ["DATASETS", "LEVELS", "SWEEPS", "run_dynamic", "speedup_at"]
+__all__ = ["DATASETS", "LEVELS", "SWEEPS", "margins", "run_dynamic", "speedup_at"]
 
 Config = tuple[str, str | None, Any]  # (method, knob, value)
 
@@ -144,7 +146,32 @@ def summarize(cfgs: list[Config], rows: list[dict[str, Any]]) -> dict[str, Any]:
     ref = _point(cfgs[0], rows)
     ref["layers_per_token"] = ref["layers_per_token"] or None
     at_quality = {m: {str(q): speedup_at(c, q) for q in LEVELS} for m, c in curves.items()}
-    return {"reference": ref, "curves": curves, "at_quality": at_quality}
+    return {"reference": ref, "curves": curves, "at_quality": at_quality, "margins": margins(curves)}
+
+
+def margins(curves: dict[str, list[dict[str, Any]]], ours: str = OURS) -> list[dict[str, Any]]:
+    """Every baseline point against ``ours`` at the same quality: the issue's "curve above" test.
+
+    ``ours`` is the speedup our curve reaches at ROUGE-L >= the baseline point's (interpolated, as
+    in ``at_quality``; None where our curve never reaches that quality), ``margin`` ours minus the
+    baseline's speedup: positive where our curve lies above that point.
+    """
+    if ours not in curves:
+        return []
+    out = []
+    for method, points in curves.items():
+        if method == ours:
+            continue
+        for p in points:
+            if p["rouge_l"] is None or p["speedup"] is None:
+                continue
+            s = speedup_at(curves[ours], p["rouge_l"])
+            margin = None if s is None else s - p["speedup"]
+            out.append(
+                {"method": method, "knob": p["knob"], "rouge_l": p["rouge_l"], "speedup": p["speedup"]}
+                | {"ours": s, "margin": margin}
+            )
+    return out
 
 
 def run_dynamic(
@@ -213,6 +240,23 @@ def markdown(results: dict[str, Any]) -> str:
     for name, d in results["datasets"].items():
         for method, at in d["at_quality"].items():
             lines.append(f"| {name} | {method} | " + " | ".join(_fmt(at[q], ".2f", "x") for q in levels) + " |")
+    rows = [(name, m) for name, d in results["datasets"].items() for m in d.get("margins", [])]
+    if rows:
+        above = sum(m["margin"] is not None and m["margin"] > 0 for _, m in rows)
+        lines += [
+            "",
+            f"`{OURS}` against every baseline point at the same ROUGE-L (its speedup interpolated on its curve; "
+            f"margin > 0 = above): above at {above} of {len(rows)} points.",
+            "",
+            f"| dataset | baseline | knob | ROUGE-L | baseline speedup | {OURS} | margin |",
+            "|---|---|---|--:|--:|--:|--:|",
+        ]
+        for name, m in rows:
+            knob = results["sweeps"][m["method"]]["knob"]
+            lines.append(
+                f"| {name} | {m['method']} | {knob}={m['knob']} | {m['rouge_l']:.3f} | {m['speedup']:.2f}x | "
+                f"{_fmt(m['ours'], '.2f', 'x')} | {_fmt(m['margin'], '+.2f')} |"
+            )
     lines += [
         "",
         "| dataset | method | knob | ROUGE-L | exact | NLL | speedup | tokens/s | layers/token | exit rate "
