@@ -188,9 +188,14 @@ def test_outputs_identical_across_policies(
         assert s["counts"]["decode"]["requests"] == sum(len(v) for step in trace[1:] for v in step.values())
         if policy == "oracle":
             assert all(v["precision"] == 1.0 and v["recall"] == 1.0 for v in s["prediction"]["oracle"].values())
-        if policy == "m2r2":
+        if policy == "m2r2":  # default: fast layers run attention + shared expert only
             assert s["prediction"]["fast"], "the fast stream made no predictions"
-            assert 0 < s["fast_expert_coverage"] <= 1
+            assert s["fast_expert_coverage"] == 0
+    out = run.generate(PROMPT, GEN, policy="m2r2", fast=fast, fast_experts="cache")
+    assert out.tokens == reference
+    assert 0 < out.stats["fast_expert_coverage"] <= 1  # fast layers used the resident experts
+    with pytest.raises(SettingsError, match="fast_experts"):
+        run.generate(PROMPT, GEN, policy="m2r2", fast=fast, fast_experts="all")
     for m in model.layers:  # sources are detached after each generation
         assert m.mlp.source is None
 
