@@ -213,3 +213,33 @@ def test_installed_script_error_in_subprocess(tmp_path: Path) -> None:
     assert proc.returncode == 2, proc.stderr
     assert proc.stdout == ""
     assert proc.stderr.strip().splitlines() == [f"m2r2: error: model path {missing} does not exist"]
+
+
+# --------------------------------------------------------------------------- draft-vocab
+
+
+def test_draft_vocab_writes_a_checked_vocabulary(capsys, tiny_dir: Path, tmp_path: Path) -> None:
+    from m2r2.engine import Engine
+    from m2r2.multirate.fast import FastConfig, FastStream
+    from m2r2.multirate.io import load_adapters, save_adapters
+
+    engine = Engine(str(tiny_dir), dtype="fp32", quiet=True)
+    model = engine.model
+    stream = FastStream(model, FastConfig.build(model.cfg.num_layers, depth=1, rank=2))
+    src = save_adapters(tmp_path / "a.safetensors", stream, engine.fingerprint, steps=3)
+    data = tmp_path / "answers.jsonl"
+    data.write_text("".join(json.dumps({"prompt_ids": [1], "answer_ids": [5, 5, 5, 7, 9, 9]}) + "\n" for _ in range(3)))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"turns": ["hello hello hello"]}) + "\n")
+    out = tmp_path / "b.safetensors"
+    argv = ["draft-vocab", "--model", str(tiny_dir), "--dtype", "fp32", "--adapters", str(src)]
+    rc, stdout, err = run_cli(
+        capsys, *argv, "--data", str(data), "--prompts", str(prompts), "--size", "6", "--out", str(out)
+    )
+    assert rc == 0, err
+    assert json.loads(stdout)["draft_vocab"] == 6
+    vocab = load_adapters(out, model, engine.fingerprint).draft_vocab.tolist()
+    assert len(vocab) == 6 and {5, 7, 9} <= set(vocab) and set(engine.tokenizer.eos_ids) <= set(vocab)
+    assert json.loads(out.with_suffix(".json").read_text())["steps"] == 3  # provenance carried over
+    rc, stdout, err = run_cli(capsys, *argv, "--data", str(tmp_path / "missing.jsonl"), "--out", str(out))
+    assert_one_line_error(rc, stdout, err, "distill-data")

@@ -92,6 +92,9 @@ def build_from_files(
     """:func:`draft_vocabulary` from a distilled-answers JSONL and an optional training-prompts JSONL."""
     from m2r2.training.distill import load_distilled
 
+    for path, what in ((data, "distilled answers (run `m2r2 distill-data` first)"), (prompts, "training prompts")):
+        if path is not None and not Path(path).is_file():
+            raise InputError(f"{path}: no such file of {what}")
     answers = count_tokens(r["answer_ids"] for r in load_distilled(data))
     prompt_counts = count_tokens(encode(read_prompt_texts(prompts))) if prompts is not None else Counter()
     return draft_vocabulary(answers, prompt_counts, size, vocab_size, keep)
