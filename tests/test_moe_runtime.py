@@ -196,6 +196,17 @@ def test_outputs_identical_across_policies(
     assert 0 < out.stats["fast_expert_coverage"] <= 1  # fast layers used the resident experts
     with pytest.raises(SettingsError, match="fast_experts"):
         run.generate(PROMPT, GEN, policy="m2r2", fast=fast, fast_experts="all")
+    with pytest.raises(SettingsError, match="depth"):
+        run.generate(PROMPT, GEN, policy="m2r2", fast=fast, depth=0)
+    # fewer fast layers: the same output, predictions only as far as the fast layers run reach
+    for depth in (1, None):
+        out = run.generate(PROMPT, GEN, policy="m2r2", fast=fast, depth=depth)
+        assert out.tokens == reference
+        reach = max(int(d) for d in out.stats["prediction"]["fast"])
+        if depth == 1:
+            assert reach <= fast.cfg.rate, reach  # fast layer 1 predicts layers 0..R-1 only
+        else:
+            assert reach > fast.cfg.rate
     for m in model.layers:  # sources are detached after each generation
         assert m.mlp.source is None
 
