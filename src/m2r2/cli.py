@@ -404,9 +404,8 @@ def cmd_draft_vocab(args: argparse.Namespace) -> int:
     stream.draft_vocab = build_from_files(
         Path(args.data), prompts, size, engine.model.cfg.vocab_size, engine.tokenizer.eos_ids, encode
     )
-    info = {k: v for k, v in read_meta(src).items() if k not in ("format", "version", "config", "base_fingerprint")}
-    info.pop("weights_sha256", None)
-    info.pop("dtype", None)
+    written = ("format", "version", "config", "base_fingerprint", "weights_sha256", "dtype")  # save_adapters' own
+    info = {k: v for k, v in read_meta(src).items() if k not in written}
     info["draft_vocab"] = {"size": size, "data": str(args.data), "prompts": str(prompts) if prompts else None}
     out = Path(args.out) if args.out else src
     save_adapters(out, stream, engine.fingerprint, **info)

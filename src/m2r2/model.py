@@ -540,6 +540,15 @@ class Int4Linear(nn.Module):
         return y.view(*shape[:-1], y.shape[-1])
 
 
+def _activation_dtype(lin: nn.Module) -> torch.dtype:
+    """The input dtype a linear layer of any of our kernels takes."""
+    if isinstance(lin, nn.Linear):
+        return lin.weight.dtype
+    if isinstance(lin, Int8Linear):
+        return lin.scales.dtype
+    return torch.bfloat16  # the packed bf16 / 4-bit kernels
+
+
 def dense_weight(lin: nn.Module) -> Tensor:
     """The float32 weight ``[out, in]`` that a linear layer of any of our kernels applies.
 
@@ -550,33 +559,21 @@ def dense_weight(lin: nn.Module) -> Tensor:
     """
     if isinstance(lin, nn.Linear):
         return lin.weight.detach().float()
+    # packed kernels hold their weights as plain tensor attributes
+    device = next((v.device for v in vars(lin).values() if isinstance(v, Tensor)), torch.device("cpu"))
+    y = lin(torch.eye(lin.in_features, dtype=_activation_dtype(lin), device=device)).float()
     bias = getattr(lin, "bias", None)
-    dtype = bias.dtype if bias is not None else torch.bfloat16
-    if isinstance(lin, Int8Linear):
-        dtype = lin.scales.dtype
-    eye = torch.eye(lin.in_features, dtype=dtype, device=_device_of(lin))
-    y = lin(eye).float()
     if bias is not None:
         y = y - bias.float()
     return y.t().contiguous()
 
 
-def _device_of(mod: nn.Module) -> torch.device:
-    for t in list(mod.parameters()) + list(mod.buffers()) + [v for v in vars(mod).values() if isinstance(v, Tensor)]:
-        return t.device
-    return torch.device("cpu")
-
-
 def linear_like(lin: nn.Module, weight: Tensor) -> nn.Module:
     """A frozen linear layer applying ``weight`` (float ``[out, in]``) with the same kernel as ``lin``."""
     bias = getattr(lin, "bias", None)
-    if isinstance(lin, nn.Linear):
-        dtype = lin.weight.dtype
-    elif isinstance(lin, Int8Linear):
-        dtype = lin.scales.dtype
-    else:  # the packed bf16 / 4-bit kernels take bf16 activations
-        dtype = torch.bfloat16
-    plain = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device, dtype=dtype)
+    plain = nn.Linear(
+        weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device, dtype=_activation_dtype(lin)
+    )
     with torch.no_grad():
         plain.weight.copy_(weight)
         if bias is not None:
