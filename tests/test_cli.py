@@ -43,7 +43,7 @@ def assert_one_line_error(rc: int, out: str, err: str, match: str = "") -> None:
     ("argv", "expect"),
     [
         (["--help"], ["generate", "chat", "bench"]),
-        (["generate", "--help"], ["--max-new-tokens", "--temperature", "--top-p", "--method", "vanilla", "--json"]),
+        (["generate", "--help"], ["--max-new-tokens", "--temperature", "--top-p", "--method", "auto", "--json"]),
         (["--version"], ["m2r2 0."]),
     ],
 )
@@ -87,7 +87,7 @@ def test_generate_streamed_text_equals_json_text(capsys: pytest.CaptureFixture[s
     rc, streamed, err = run_cli(capsys, *common)
     assert rc == 0
     assert streamed == text + "\n"
-    assert "tok/s" in err and "[vanilla]" in err
+    assert "tok/s" in err and "[vanilla]" in err  # default method ``auto``: no adapters for this model
     rc, plain, _ = run_cli(capsys, *common, "--no-stream")
     assert rc == 0 and plain == text + "\n"
 
@@ -169,6 +169,7 @@ def test_missing_model_path(capsys, tmp_path: Path) -> None:
         (["--method", "lookahead", "--option", "window=40"], "exceeds"),
         (["--method", "lookahead", "--temperature", "0.5"], "greedy only"),
         (["--method", "m2r2"], "no adapters ship"),
+        (["--threshold", "0.5"], "--method m2r2-dynamic"),
     ],
     ids=lambda v: "_".join(v).lstrip("-") if isinstance(v, list) else None,
 )

@@ -290,3 +290,48 @@ def test_real_model_bf16_speculative_and_lookahead_are_lossless(real_engine_bf16
         assert spec_out.tokens == ref
         assert spec_out.stats["verify_passes"] < len(ref)  # drafts were accepted, rows were batched
         assert e.generate_ids(ids, "early-exit-spec", gen, adaptive=False, max_draft=3).tokens == ref
+    # the CLI's default method: the bundled model ships adapters, so ``auto`` is M2R2 self-speculation
+    assert e.resolve_method("auto") == "m2r2" and e.resolve_method("vanilla") == "vanilla"
+    out = e.chat(messages_for("List five fruits."), "auto", gen)
+    assert out.method == "m2r2" and "mean_accepted" in out.result.stats
+
+
+def test_cost_cache_reuses_fresh_measurements_and_remeasures_bad_ones(tmp_path, monkeypatch) -> None:
+    """Measured draft/verify costs are kept per machine and drafter shape; stale or damaged ones are redone."""
+    import json
+    import os
+    import time
+
+    from m2r2.decoding import speculative
+
+    calls: list[int] = []
+
+    def measure() -> CostModel:
+        calls.append(1)
+        return CostModel(draft=0.5, verify=[1.0, 1.1, 1.2])
+
+    path = tmp_path / "costs" / "k.json"
+    first = speculative.cached_costs(path, measure)
+    assert calls == [1] and json.loads(path.read_text()) == {"draft": 0.5, "verify": [1.0, 1.1, 1.2]}
+    assert speculative.cached_costs(path, measure) == first and calls == [1]  # reused
+    old = time.time() - speculative.COST_CACHE_MAX_AGE_S - 10
+    os.utime(path, (old, old))
+    speculative.cached_costs(path, measure)
+    assert calls == [1, 1]  # too old: measured again (and rewritten)
+    for bad in ("{", '{"draft": 0.5}', '{"draft": 0, "verify": [1.0]}', '{"draft": 1, "verify": []}'):
+        path.write_text(bad)
+        assert speculative.cached_costs(path, measure) == first
+    assert len(calls) == 6
+
+    # the key follows what timings depend on: the drafter's shape, not its adapter values
+    class FakeEngine:
+        fingerprint, dtype_name, kernel = "abc", "fp32", "plain"
+
+    model = tiny_model(0)
+    FakeEngine.model = model  # type: ignore[attr-defined]
+    monkeypatch.setenv("M2R2_CACHE", str(tmp_path))
+    a = speculative.cost_cache_path(FakeEngine(), fast_stream(model, 2, 0.0, 0), 8)  # type: ignore[arg-type]
+    b = speculative.cost_cache_path(FakeEngine(), fast_stream(model, 2, 0.3, 1), 8)  # type: ignore[arg-type]
+    c = speculative.cost_cache_path(FakeEngine(), fast_stream(model, 3, 0.0, 0), 8)  # type: ignore[arg-type]
+    d = speculative.cost_cache_path(FakeEngine(), fast_stream(model, 2, 0.0, 0), 4)  # type: ignore[arg-type]
+    assert a == b and len({a, c, d}) == 3 and a.parent == tmp_path / "costs"

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from m2r2.errors import M2R2Error
+from m2r2.errors import M2R2Error, SettingsError
 
 DEFAULT_PROMPT_SYSTEM = None
 #: Training prompts shared by the project (relative to the repository root).
@@ -43,14 +43,19 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
 
 
-def _add_gen_args(p: argparse.ArgumentParser, method_default: str = "vanilla") -> None:
+def _add_gen_args(p: argparse.ArgumentParser) -> None:
     from m2r2.decoding import method_help
+    from m2r2.engine import AUTO_METHOD
 
     g = p.add_argument_group("generation")
-    methods = method_help()
+    methods = {
+        AUTO_METHOD: "(default) m2r2 where fast-stream adapters exist for the model (the bundled SmolLM2 ships "
+        "them), else vanilla",
+        **method_help(),
+    }
     g.add_argument(
         "--method",
-        default=method_default,
+        default=AUTO_METHOD,
         help="decoding method: " + "; ".join(f"{k}: {v}" for k, v in methods.items()),
     )
     g.add_argument("--max-new-tokens", type=int, default=256, help="token budget of the answer (default 256)")
@@ -134,6 +139,7 @@ class _Printer:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from m2r2.engine import AUTO_METHOD
     from m2r2.tokenizer import messages_for
 
     gen = _gen_config(args)
@@ -145,6 +151,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     stream = None if args.json or args.no_stream else _Printer(engine.tokenizer.decode)
     options = _method_options(args.option)
     if args.threshold is not None:  # the dynamic-compute methods' knob (an unknown option for the others)
+        if args.method == AUTO_METHOD:
+            raise SettingsError("--threshold is the knob of a lossy method: add --method m2r2-dynamic (or calm)")
         options["threshold"] = args.threshold
     out = engine.chat(messages, method=args.method, gen=gen, stream=stream, **options)
     if args.json:

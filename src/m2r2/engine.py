@@ -8,6 +8,7 @@ exactly the same objects.
 from __future__ import annotations
 
 import os
+import platform
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,8 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat1
 REFERENCE_DTYPE = "fp32"
 #: Default precision, chosen by measurement on the project's CPU (BENCHMARKS.md).
 DEFAULT_DTYPE = "bf16"
+#: Method name that picks for the model: ``m2r2`` where fast-stream adapters exist for it, else ``vanilla``.
+AUTO_METHOD = "auto"
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -37,6 +40,17 @@ def parse_dtype(name: str) -> torch.dtype:
 
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def cpu_name() -> str:
+    """The CPU's model name (for results files and machine-specific caches)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 @dataclass
@@ -103,10 +117,24 @@ class Engine:
     def context(self) -> int:
         return self.model.cfg.max_position_embeddings
 
+    def resolve_method(self, method: str, **options: Any) -> str:
+        """``auto`` -> ``m2r2`` when adapters are given or ship for this base model, else ``vanilla``.
+
+        Lossless either way, so ``auto`` can be the CLI default: the bundled SmolLM2 ships adapters,
+        any other model decodes plainly until adapters are trained for it (``m2r2 train``).
+        """
+        if method != AUTO_METHOD:
+            return method
+        from m2r2.multirate.io import bundled_adapters
+
+        return "m2r2" if options.get("adapters") or bundled_adapters(self.fingerprint) else "vanilla"
+
     def strategy(self, method: str, **options: Any) -> Strategy:
-        """The strategy called ``method`` (built once per option set)."""
+        """The strategy called ``method`` (built once per option set; ``auto`` as in :meth:`resolve_method`)."""
+        method = self.resolve_method(method, **options)
         if method not in method_names():
-            raise UnknownNameError(f"unknown method {method!r}; choose from {', '.join(method_names())}")
+            choices = ", ".join([AUTO_METHOD, *method_names()])
+            raise UnknownNameError(f"unknown method {method!r}; choose from {choices}")
         key = (method, tuple(sorted(options.items())))
         if key not in self._strategies:
             accepted = method_options(method)
@@ -138,6 +166,7 @@ class Engine:
     ) -> Completion:
         """Answer the last user message of ``messages`` (chat template applied)."""
         gen = (gen or GenerationConfig()).validate()
+        method = self.resolve_method(method, **options)
         ids = self.tokenizer.encode_chat(messages)
         result = self.generate_ids(ids, method, gen, stream, **options)
         text = self.tokenizer.decode(result.tokens)

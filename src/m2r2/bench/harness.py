@@ -9,13 +9,12 @@ the first method, which is less sensitive to one slow outlier than a ratio of to
 from __future__ import annotations
 
 import json
-import platform
 import statistics
 import sys
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -24,10 +23,8 @@ from m2r2.bench.datasets import Dataset, Prompt, load_dataset
 from m2r2.bench.report import write_report
 from m2r2.decoding import method_names
 from m2r2.decoding.base import GenerationConfig
+from m2r2.engine import Engine, cpu_name
 from m2r2.errors import SettingsError, UnknownNameError
-
-if TYPE_CHECKING:
-    from m2r2.engine import Engine
 
 #: The self-speculative comparison of the paper: ours, its ablation, and every peer, vanilla first.
 PAPER_METHODS = ["vanilla", "m2r2", "early-exit-spec", "lookahead", "hf", "hf-pld", "hf-early-exit"]
@@ -143,16 +140,6 @@ def run_one(
     return summary, rows
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def environment(engine: Engine) -> dict[str, Any]:
     """What a reader needs to judge timings (hardware, precision, threads, versions); in every results.json."""
     import transformers
@@ -163,7 +150,7 @@ def environment(engine: Engine) -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "torch_version": torch.__version__,
         "transformers_version": transformers.__version__,
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "device": str(engine.device),
         "model": engine.model_dir.name,
         "date": datetime.now(UTC).isoformat(timespec="seconds"),

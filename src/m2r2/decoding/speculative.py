@@ -17,9 +17,12 @@ the running acceptance rate.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -38,6 +41,7 @@ from m2r2.decoding.base import (
     warp_probs,
 )
 from m2r2.errors import SettingsError
+from m2r2.loading import cache_root
 from m2r2.model import ROW_INVARIANT_MAX_ROWS, Transformer
 from m2r2.multirate.fast import DraftBlock, FastConfig, FastStream
 
@@ -254,6 +258,63 @@ def measure_costs(
     return CostModel(draft=best[0], verify=best[1:])
 
 
+#: Cached cost measurements older than this are measured again (machine load drifts).
+COST_CACHE_MAX_AGE_S = 24 * 3600
+
+
+def cost_cache_path(engine: Engine, fast: FastStream, k_max: int) -> Path:
+    """Where measured costs of this drafter on this machine are kept: ``$M2R2_CACHE/costs/<key>.json``.
+
+    The key holds everything the timings depend on (hardware, threads, versions, model, precision,
+    kernel, the drafter's shape: path, rank, folded or not, draft-vocabulary size) and nothing they
+    do not (the adapter values), so retrained adapters of the same shape reuse the measurement.
+    """
+    from m2r2.engine import cpu_name
+
+    parts = {
+        "cpu": cpu_name(),
+        "device": str(engine.model.device),
+        "gpu": torch.cuda.get_device_name(engine.model.device) if engine.model.device.type == "cuda" else "",
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "model": engine.fingerprint,
+        "dtype": engine.dtype_name,
+        "kernel": engine.kernel,
+        "fast": asdict(fast.cfg),
+        "adapters": fast.use_adapters,
+        "folded": fast.merged is not None,
+        "draft_vocab": 0 if fast.sub_head is None or fast.draft_vocab is None else len(fast.draft_vocab),
+        "k_max": k_max,
+    }
+    key = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
+    return cache_root() / "costs" / f"{key}.json"
+
+
+def cached_costs(path: Path, measure: Callable[[], CostModel]) -> CostModel:
+    """The costs stored at ``path`` if fresh and well-formed, else ``measure()`` stored there atomically.
+
+    Measuring takes ~2 s on the project's CPU, more than the rest of building the strategy; a
+    one-shot ``m2r2 generate`` should not pay it every time. A damaged file is measured again.
+    """
+    try:
+        if time.time() - path.stat().st_mtime < COST_CACHE_MAX_AGE_S:
+            raw = json.loads(path.read_text())
+            costs = CostModel(draft=float(raw["draft"]), verify=[float(v) for v in raw["verify"]])
+            if costs.draft > 0 and costs.verify and min(costs.verify) > 0:
+                return costs
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    costs = measure()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(asdict(costs)))
+        os.replace(tmp, path)
+    except OSError:  # a read-only cache only costs the next run a measurement
+        pass
+    return costs
+
+
 class FastStreamDrafter:
     """Drafts with the M2R2 fast stream: the path's base layers + adapters over the shared slow cache.
 
@@ -290,14 +351,25 @@ def build_self_speculative(
     stop_below: float = 0.2,
     use_arla: bool = True,
     adaptive: bool = True,
+    cost_cache: bool = True,
 ) -> SelfSpeculative:
-    """A :class:`SelfSpeculative` strategy drafting with ``fast`` on the engine's model."""
+    """A :class:`SelfSpeculative` strategy drafting with ``fast`` on the engine's model.
+
+    ``adaptive`` caps each draft by the measured costs (kept per machine and drafter shape in
+    ``$M2R2_CACHE/costs`` for a day when ``cost_cache``; otherwise measured on every build).
+    """
     fast.to(engine.model.device).freeze(merge=True)
 
     def make(cache: object) -> Drafter:
         return FastStreamDrafter(fast, cache, use_arla=use_arla)  # type: ignore[arg-type]
 
-    costs = measure_costs(engine.model, make, max_draft) if adaptive else None
+    costs = None
+    if adaptive:
+
+        def measure() -> CostModel:
+            return measure_costs(engine.model, make, max_draft)
+
+        costs = cached_costs(cost_cache_path(engine, fast, max_draft), measure) if cost_cache else measure()
     return SelfSpeculative(
         name,
         engine.model,
@@ -318,16 +390,22 @@ def _m2r2(
     stop_below: float = 0.2,
     use_arla: bool = True,
     adaptive: bool = True,
+    cost_cache: bool = True,
 ) -> SelfSpeculative:
     from m2r2.multirate.io import load_default
 
     fast = load_default(engine.model, engine.fingerprint, Path(adapters) if adapters else None)
-    return build_self_speculative("m2r2", engine, fast, max_draft, stop_below, use_arla, adaptive)
+    return build_self_speculative("m2r2", engine, fast, max_draft, stop_below, use_arla, adaptive, cost_cache)
 
 
 @register("early-exit-spec", "ablation: the same self-speculative loop drafting by plain early exit (no adapters)")
 def _early_exit_spec(
-    engine: Engine, depth: int | None = None, max_draft: int = 8, stop_below: float = 0.2, adaptive: bool = True
+    engine: Engine,
+    depth: int | None = None,
+    max_draft: int = 8,
+    stop_below: float = 0.2,
+    adaptive: bool = True,
+    cost_cache: bool = True,
 ) -> SelfSpeculative:
     from m2r2.multirate.io import bundled_adapters, read_meta
 
@@ -337,4 +415,4 @@ def _early_exit_spec(
     cfg = FastConfig.build(engine.model.cfg.num_layers, depth=depth, rank=1)
     fast = FastStream(engine.model, cfg)  # zero-initialised B: every adapter delta is exactly zero
     fast.use_adapters = False
-    return build_self_speculative("early-exit-spec", engine, fast, max_draft, stop_below, False, adaptive)
+    return build_self_speculative("early-exit-spec", engine, fast, max_draft, stop_below, False, adaptive, cost_cache)
