@@ -452,5 +452,7 @@ def test_cli_generate_threshold(capsys: pytest.CaptureFixture[str], tiny_model) 
     assert "[calm]" in err and "exit rate" in err and "layers/token" in err
     assert main([*base, "--method", "calm", "--threshold", "-2"]) == 2
     assert "m2r2: error: threshold must be" in capsys.readouterr().err
-    assert main([*base, "--threshold", "0.5"]) == 2  # vanilla has no threshold
+    assert main([*base, "--threshold", "0.5"]) == 2  # the default method (auto) is lossless: no threshold
+    assert "add --method m2r2-dynamic" in capsys.readouterr().err
+    assert main([*base, "--method", "vanilla", "--threshold", "0.5"]) == 2
     assert "takes no option threshold" in capsys.readouterr().err

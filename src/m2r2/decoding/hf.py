@@ -248,8 +248,8 @@ def _gguf_of(engine: Engine) -> str:
     from m2r2.loading import BUNDLED, FINGERPRINT_FILE, bundled_gguf
 
     source = json.loads((engine.model_dir / FINGERPRINT_FILE).read_text()).get("source", "")
-    for name, (_, filename, _) in BUNDLED.items():
-        if source.startswith(filename + " "):
+    for name, spec in BUNDLED.items():
+        if source.startswith(spec.gguf + " "):
             return str(bundled_gguf(name))
     raise SettingsError("llamacpp needs a GGUF file: pass the option gguf=PATH")
 
