@@ -70,14 +70,13 @@ class GappedMask:
     the cache (the Jacobi window, a plain verify block) need no copy at all.
     """
 
-    def __init__(self, mask: Tensor) -> None:
-        t, s = mask.shape
-        self.mask = mask  # [t, s], True = attend
-        count = mask.sum(-1)
-        self.packed = torch.arange(s, device=mask.device) < count[:, None]  # [t, s]
+    def __init__(self, mask: Tensor, packed: Tensor) -> None:
+        t = mask.shape[0]
+        self.shape = mask.shape  # [t, s], like the mask it stands for
+        self.packed = packed  # [t, s]: each row's visible slots moved to the front
         order = torch.argsort((~mask).to(torch.int8), dim=-1, stable=True)  # visible slots first
-        plain = (mask == self.packed).all(-1).tolist()
-        counts = count.tolist()
+        plain = (mask == packed).all(-1).tolist()
+        counts = packed.sum(-1).tolist()
         reps: list[int] = []  # one representative row (the longest) per gathered layout
         members: dict[int | None, list[int]] = {None: []}
         for i in sorted(range(t), key=lambda r: -counts[r]):
@@ -96,19 +95,15 @@ class GappedMask:
         for rep, rows in members.items():
             if rows:
                 idx = torch.tensor(sorted(rows), device=mask.device)
-                self.groups.append((idx, None if rep is None else order[rep], self.packed[idx]))
+                self.groups.append((idx, None if rep is None else order[rep], packed[idx]))
         perm = torch.cat([rows for rows, _, _ in self.groups])
         self.inverse = torch.argsort(perm)  # concatenated group outputs -> original row order
 
-    @property
-    def shape(self) -> torch.Size:
-        return self.mask.shape
-
-    @staticmethod
-    def needed(mask: Tensor) -> bool:
-        """True when some row's visible slots are not a prefix ``0..n-1`` of the cache."""
-        count = mask.sum(-1, keepdim=True)
-        return not torch.equal(mask, torch.arange(mask.shape[-1], device=mask.device) < count)
+    @classmethod
+    def over(cls, mask: Tensor) -> Tensor | GappedMask:
+        """``mask`` itself when every row sees a prefix ``0..n-1`` of the cache, else its :class:`GappedMask`."""
+        packed = torch.arange(mask.shape[-1], device=mask.device) < mask.sum(-1, keepdim=True)
+        return mask if torch.equal(mask, packed) else cls(mask, packed)
 
 
 def _one_row_each(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, gqa: bool) -> Tensor:
@@ -136,9 +131,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | GappedMask | None) ->
     """
     h, t = q.shape[1], q.shape[2]
     gqa = k.shape[1] != h
-    if isinstance(mask, GappedMask):
-        if t > ROW_INVARIANT_MAX_ROWS:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.mask, enable_gqa=gqa)
+    if isinstance(mask, GappedMask):  # built only for passes of up to ROW_INVARIANT_MAX_ROWS rows
         outs = []
         for rows, order, packed in mask.groups:
             kk = k if order is None else k.index_select(2, order)
@@ -425,8 +418,8 @@ class Transformer(nn.Module):
         elif mask.shape[-1] < kv_len:  # pad a custom mask to the cache capacity (see causal_mask)
             mask = torch.cat([mask, mask.new_zeros(t, kv_len - mask.shape[-1])], dim=-1)
         layer_mask: Tensor | GappedMask = mask
-        if positions is not None and mask.dim() == 2 and t <= ROW_INVARIANT_MAX_ROWS and GappedMask.needed(mask):
-            layer_mask = GappedMask(mask)  # analysed once per pass, used by every layer
+        if positions is not None and mask.dim() == 2 and t <= ROW_INVARIANT_MAX_ROWS:
+            layer_mask = GappedMask.over(mask)  # analysed once per pass, used by every layer
         for i, layer in enumerate(self.layers[:stop]):
             x = layer(x, cos, sin, cache, i, pos, layer_mask)
             if hidden is not None:
