@@ -399,7 +399,7 @@ def cmd_draft_vocab(args: argparse.Namespace) -> int:
     from m2r2.training.vocab import build_from_files
 
     engine = _engine(args, quiet=True)
-    src = Path(args.adapters) if args.adapters else bundled_adapters(engine.fingerprint)
+    src = Path(args.adapters) if args.adapters else bundled_adapters(engine.fingerprint, "prefix")
     if src is None:
         raise M2R2Error("no adapters ship for this base model; pass --adapters PATH")
     stream = load_adapters(src, engine.model, engine.fingerprint)

@@ -112,13 +112,15 @@ def begin(
     gen: GenerationConfig,
     eos_ids: list[int],
     decode: Callable[[list[int]], str] | None,
+    last_hidden: list[Tensor] | None = None,
 ) -> tuple[float, Stopper, KVCache, Tensor]:
     """The start every strategy shares: check settings and prompt, start the clock, set up stopping,
     allocate the cache at the common capacity and prefill the prompt.
 
     Returns ``(t0, stopper, cache, logits)`` with the prompt's last-position logits ``[1, 1, V]``.
     One place for this is what gives every method the same cache capacity (so their outputs are
-    bit-identical) and the same stopping rules.
+    bit-identical) and the same stopping rules. ``last_hidden``, when given, receives the final slow
+    state of the prompt's last position (``[1, 1, d]``; seeded drafters start from it).
     """
     gen.validate()
     ctx = model.cfg.max_position_embeddings
@@ -126,8 +128,10 @@ def begin(
     t0 = time.perf_counter()
     stopper = Stopper(gen, eos_ids, decode, ctx - len(prompt))
     cache = model.new_cache(cache_capacity(len(prompt), stopper.budget, ctx))
-    logits = model(torch.tensor([prompt], device=model.device), cache, 0, last_only=True)
-    return t0, stopper, cache, logits
+    h = model.run_layers(model.embed_tokens(torch.tensor([prompt], device=model.device)), cache, 0)[:, -1:]
+    if last_hidden is not None:
+        last_hidden.append(h)
+    return t0, stopper, cache, model.head(h)
 
 
 def warp_probs(logits: Tensor, gen: GenerationConfig) -> Tensor:

@@ -40,6 +40,7 @@ from m2r2.decoding.base import (
     begin,
     warp_probs,
 )
+from m2r2.decoding.tree import TreeSpeculative, build_tree_speculative
 from m2r2.errors import SettingsError
 from m2r2.loading import cache_root
 from m2r2.model import ROW_INVARIANT_MAX_ROWS, Transformer
@@ -382,7 +383,10 @@ def build_self_speculative(
     )
 
 
-@register("m2r2", "M2R2 self-speculative decoding: the fast stream drafts, the slow stream verifies (lossless)")
+@register(
+    "m2r2",
+    "M2R2 self-speculation: the fast stream drafts (token trees when seeded), the slow stream verifies (lossless)",
+)
 def _m2r2(
     engine: Engine,
     adapters: str | None = None,
@@ -391,10 +395,44 @@ def _m2r2(
     use_arla: bool = True,
     adaptive: bool = True,
     cost_cache: bool = True,
-) -> SelfSpeculative:
-    from m2r2.multirate.io import load_default
+    max_nodes: int = 8,
+    max_depth: int = 5,
+    width: int = 2,
+    branch: int = 2,
+) -> SelfSpeculative | TreeSpeculative:
+    """Seeded adapters (the shipped default where they exist) draft token trees; prefix adapters draft chains."""
+    from m2r2.multirate.io import bundled_adapters, load_default
+    from m2r2.multirate.seeded import SeededFastStream
 
-    fast = load_default(engine.model, engine.fingerprint, Path(adapters) if adapters else None)
+    path = Path(adapters) if adapters else bundled_adapters(engine.fingerprint, "seeded")
+    fast = load_default(engine.model, engine.fingerprint, path)
+    if isinstance(fast, SeededFastStream):
+        key = None
+        if adaptive:
+            from m2r2.engine import cpu_name
+
+            key = {
+                "cpu": cpu_name(),
+                "device": str(engine.model.device),
+                "threads": torch.get_num_threads(),
+                "torch": torch.__version__,
+                "model": engine.fingerprint,
+                "dtype": engine.dtype_name,
+                "kernel": engine.kernel,
+                "nonce": None if cost_cache else time.time(),
+            }
+        return build_tree_speculative(
+            "m2r2",
+            engine.model,
+            fast,
+            engine.tokenizer.eos_ids,
+            engine.tokenizer.decode,
+            key,
+            max_nodes,
+            max_depth,
+            width,
+            branch,
+        )
     return build_self_speculative("m2r2", engine, fast, max_draft, stop_below, use_arla, adaptive, cost_cache)
 
 
@@ -410,7 +448,7 @@ def _early_exit_spec(
     from m2r2.multirate.io import bundled_adapters, read_meta
 
     if depth is None:  # same draft layers as the shipped adapters, so the ablation isolates them
-        shipped = bundled_adapters(engine.fingerprint)
+        shipped = bundled_adapters(engine.fingerprint, "prefix")
         depth = len(read_meta(shipped)["config"]["path"]) if shipped else engine.model.cfg.num_layers // 3
     cfg = FastConfig.build(engine.model.cfg.num_layers, depth=depth, rank=1)
     fast = FastStream(engine.model, cfg)  # zero-initialised B: every adapter delta is exactly zero

@@ -22,6 +22,8 @@ from m2r2.errors import WeightsError
 from m2r2.loading import file_hash
 from m2r2.model import Transformer
 from m2r2.multirate.fast import FastConfig, FastStream
+from m2r2.multirate.seeded import KIND as SEEDED
+from m2r2.multirate.seeded import SeededConfig, SeededFastStream
 
 FORMAT = "m2r2-adapters"
 VERSION = 1
@@ -52,7 +54,11 @@ def _atomic_write(path: Path, write: Any) -> None:
 
 
 def save_adapters(
-    path: Path, stream: FastStream, fingerprint: str, dtype: torch.dtype = torch.bfloat16, **info: Any
+    path: Path,
+    stream: FastStream | SeededFastStream,
+    fingerprint: str,
+    dtype: torch.dtype = torch.bfloat16,
+    **info: Any,
 ) -> Path:
     """Write weights (in ``dtype``) then the JSON sidecar; ``info`` lands in the JSON (data, steps...)."""
     path = Path(path).with_suffix(".safetensors")
@@ -87,7 +93,18 @@ def read_meta(path: Path) -> dict[str, Any]:
     return meta
 
 
-def load_adapters(path: Path, model: Transformer, fingerprint: str) -> FastStream:
+def adapter_kind(config: dict[str, Any]) -> str:
+    """``seeded`` (:mod:`m2r2.multirate.seeded`) or ``prefix`` (the path fast stream of :mod:`~m2r2.multirate.fast`)."""
+    return str(config.get("kind", "prefix"))
+
+
+def stream_for(model: Transformer, config: dict[str, Any]) -> FastStream | SeededFastStream:
+    if adapter_kind(config) == SEEDED:
+        return SeededFastStream(model, SeededConfig.from_dict(config))
+    return FastStream(model, FastConfig.from_dict(config))
+
+
+def load_adapters(path: Path, model: Transformer, fingerprint: str) -> FastStream | SeededFastStream:
     """A :class:`FastStream` for ``model`` from an adapter file, after every check passes."""
     path = Path(path).with_suffix(".safetensors")
     meta = read_meta(path)
@@ -100,8 +117,7 @@ def load_adapters(path: Path, model: Transformer, fingerprint: str) -> FastStrea
         raise WeightsError(f"adapter weights {path} are missing")
     if file_hash(path) != meta.get("weights_sha256"):
         raise WeightsError(f"adapter weights {path} are truncated or corrupt (checksum mismatch)")
-    cfg = FastConfig.from_dict(meta["config"])
-    stream = FastStream(model, cfg)
+    stream = stream_for(model, meta["config"])
     try:
         with safe_open(str(path), framework="pt") as fh:
             sd = {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118 (safe_open is not a dict)
@@ -125,22 +141,26 @@ def check_vocab(ids: torch.Tensor, vocab_size: int, where: object) -> torch.Tens
     return ids.sort().values
 
 
-def bundled_adapters(fingerprint: str) -> Path | None:
-    """The adapters shipped in ``m2r2/adapters/`` for the base model with this fingerprint, if any."""
+def bundled_adapters(fingerprint: str, kind: str | None = None) -> Path | None:
+    """The adapters shipped in ``m2r2/adapters/`` for the base model with this fingerprint, if any
+    (of ``kind`` when given: ``prefix`` or ``seeded``)."""
     root = Path(str(resources.files("m2r2") / "adapters"))
     for side in sorted(root.glob("*.json")):
         try:
             meta = json.loads(side.read_text())
-            if meta.get("format") == FORMAT and meta.get("base_fingerprint") == fingerprint:
+            ours = meta.get("format") == FORMAT and meta.get("base_fingerprint") == fingerprint
+            if ours and (kind is None or adapter_kind(meta.get("config", {})) == kind):
                 return side.with_suffix(".safetensors")
         except (OSError, json.JSONDecodeError):
             continue
     return None
 
 
-def load_default(model: Transformer, fingerprint: str, path: Path | None = None) -> FastStream:
-    """Adapters from ``path``, else the shipped ones for this base model; a clear error if none."""
-    path = path or bundled_adapters(fingerprint)
+def load_default(
+    model: Transformer, fingerprint: str, path: Path | None = None, kind: str | None = "prefix"
+) -> FastStream | SeededFastStream:
+    """Adapters from ``path``, else the shipped ones (of ``kind``) for this base model; a clear error if none."""
+    path = path or bundled_adapters(fingerprint, kind)
     if path is None:
         raise WeightsError(
             "no adapters ship for this base model; train some with `m2r2 train` and pass --adapters PATH"
