@@ -8,13 +8,13 @@ import random
 
 import pytest
 import torch
+from tests.test_speculative import _exact_marginal, tiny_model
 
 from m2r2.decoding.autoregressive import Autoregressive
 from m2r2.decoding.base import GenerationConfig
 from m2r2.decoding.tree import TreeCosts, TreeSpeculative
 from m2r2.errors import InputError, SettingsError, WeightsError
 from m2r2.multirate.seeded import SeededConfig, SeededFastStream
-from tests.test_speculative import _exact_marginal, tiny_model
 
 
 def seeded_stream(model, depth: int, noise: float, seed: int, fold: bool, vocab: list[int] | None = None):
@@ -75,7 +75,9 @@ def test_eos_inside_an_accepted_path_stops_where_plain_greedy_stops():
     ref_long = Autoregressive(model, []).generate(prompt, GenerationConfig(max_new_tokens=30)).tokens
     eos = [ref_long[7]]
     ref = Autoregressive(model, eos).generate(prompt, GenerationConfig(max_new_tokens=30))
-    out = TreeSpeculative("m2r2", model, fast, eos, None, 8, 5, 2, 2).generate(prompt, GenerationConfig(max_new_tokens=30))
+    out = TreeSpeculative("m2r2", model, fast, eos, None, 8, 5, 2, 2).generate(
+        prompt, GenerationConfig(max_new_tokens=30)
+    )
     assert out.tokens == ref.tokens and out.stop_reason == ref.stop_reason
 
 
@@ -175,7 +177,7 @@ def test_adapter_file_round_trip_and_refusals(tmp_path):
 
 def _conversations(path, n: int) -> None:
     rng = random.Random(0)
-    words = "the a sea fox blue red one two three poem write short".split()
+    words = ["the", "a", "sea", "fox", "blue", "red", "one", "two", "three", "poem", "write", "short"]
     with open(path, "w") as f:
         for i in range(n):
             msgs = [
@@ -212,6 +214,8 @@ def test_store_resumes_after_a_kill_without_duplicates_and_refuses_bad_stores(tm
     with pytest.raises(WeightsError, match="corrupt"):
         a.load_shard(1)
     with pytest.raises(SettingsError, match="other data or settings"):
-        build_store(e.model, e.fingerprint, enc, tmp_path / "whole", StoreSettings(data=str(data), max_len=16, kv_layers=1))
+        build_store(
+            e.model, e.fingerprint, enc, tmp_path / "whole", StoreSettings(data=str(data), max_len=16, kv_layers=1)
+        )
     with pytest.raises(InputError, match="not a training store"):
         TrainStore(tmp_path / "nothing")

@@ -118,6 +118,35 @@ def _one_row_each(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, gqa: bool) -> T
     return out.reshape(b, t, h, d)
 
 
+def _row_math(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, gqa: bool) -> Tensor:
+    """Attention of one query row per batch item (``q`` ``[B, H, 1, D]``) in two float32 matmuls; ``[B, H, 1, D]``.
+
+    Why: on a CPU the fused SDPA kernel costs ~0.3 ms per query row per layer in bf16 (a third of a
+    SmolLM2 decoding step) for ~0.2 MFLOP of work; two float32 matmuls over the keys cost ~0.08 ms.
+    Every row of a pass goes through this same call with the same shapes, so a row gets the bits a
+    one-row decoding step gets. (One GEMM over all rows would be cheaper still, but its float32
+    results were measured to change with the number of rows.)
+    """
+    b, h, _, d = q.shape
+    kvh, s = k.shape[1], k.shape[2]
+    g = h // kvh if gqa else 1
+    scores = torch.matmul(q.float().reshape(b, kvh, g, d), k.float().transpose(-1, -2)).mul_(d**-0.5)
+    p = torch.softmax(scores.masked_fill(~mask.reshape(-1, 1, 1, s), float("-inf")), dim=-1)
+    return torch.matmul(p, v.float()).reshape(b, h, 1, d).to(q.dtype)
+
+
+def _few_rows(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, gqa: bool) -> Tensor:
+    """Row-invariant attention for up to :data:`ROW_INVARIANT_MAX_ROWS` rows, ``[B, T, H, D]``: one
+    :func:`_row_math` call per row for low-precision CPU tensors (faster there), else the fused kernel
+    with every row as its own batch item (float32 keeps the kernel transformers uses, so the
+    reference mode matches it exactly)."""
+    if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
+        t = q.shape[2]
+        rows = [mask[..., i : i + 1, :] if mask.dim() > 2 else mask[i : i + 1] for i in range(t)]
+        return torch.cat([_row_math(q[:, :, i : i + 1], k, v, rows[i], gqa) for i in range(t)], dim=2).transpose(1, 2)
+    return _one_row_each(q, k, v, mask, gqa)
+
+
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | GappedMask | None) -> Tensor:
     """Scaled dot-product attention with grouped-query heads; ``mask`` is boolean (True = attend).
 
@@ -136,11 +165,11 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | GappedMask | None) ->
         for rows, order, packed in mask.groups:
             kk = k if order is None else k.index_select(2, order)
             vv = v if order is None else v.index_select(2, order)
-            outs.append(_one_row_each(q[:, :, rows], kk, vv, packed, gqa))
+            outs.append(_few_rows(q[:, :, rows], kk, vv, packed, gqa))
         return torch.cat(outs, dim=1)[:, mask.inverse].transpose(1, 2)
     if mask is None or t > ROW_INVARIANT_MAX_ROWS:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-    return _one_row_each(q, k, v, mask, gqa).transpose(1, 2)
+    return _few_rows(q, k, v, mask, gqa).transpose(1, 2)
 
 
 class Attention(nn.Module):
@@ -512,13 +541,35 @@ def hf_moe_to_ours(sd: Mapping[str, Tensor], cfg: ModelConfig, i: int) -> dict[s
     return out
 
 
+class RowInvariantLinear(nn.Linear):
+    """A plain low-precision linear layer that gives each row of a short pass the bits it gets alone.
+
+    On a CPU without native bf16 instructions, oneDNN's bf16 GEMM was measured to change its
+    algorithm with the number of rows (a 21-row lookahead pass gave some rows other bits than
+    decoding), which would break lossless verification with ``--kernel plain`` in bf16. Passes of
+    up to :data:`ROW_INVARIANT_MAX_ROWS` rows therefore run one row at a time, as decoding does;
+    longer ones (prefill) run whole. Parameters and state-dict names are those of ``nn.Linear``.
+    """
+
+    def forward(self, x: Tensor) -> Tensor:
+        return row_by_row(lambda r: F.linear(r, self.weight, self.bias), x)
+
+
+def row_by_row(f: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
+    """``f(x)`` with each row of a ``[..., T, d]`` pass of 2..:data:`ROW_INVARIANT_MAX_ROWS` rows run alone."""
+    rows = x.shape[-2] if x.dim() > 1 else 1
+    if 1 < rows <= ROW_INVARIANT_MAX_ROWS:
+        return torch.cat([f(x[..., i : i + 1, :]) for i in range(rows)], dim=-2)
+    return f(x)
+
+
 class PackedLinear(nn.Module):
     """A frozen linear layer whose bf16 weight is pre-packed for oneDNN (AMX / AVX-512 on x86 CPUs).
 
-    Measured on the project's CPU (3072x576, bf16): 0.135 ms at 1 row vs 0.22 ms for ``F.linear``,
-    and nearly flat up to 16 rows (0.16 ms), which is what multi-token verification passes want.
-    Row results do not depend on how many rows are batched, so a verify pass sees the same numbers
-    as a one-token step.
+    Measured on an AMX CPU (3072x576, bf16): 0.135 ms at 1 row vs 0.22 ms for ``F.linear``, and
+    nearly flat up to 16 rows. On a CPU without native bf16 instructions its results for a row were
+    measured to change with the number of rows (from ~20 rows), so short passes run row by row
+    (:func:`row_by_row`): a verify pass then sees exactly a one-token step's numbers.
     """
 
     def __init__(self, lin: nn.Linear) -> None:
@@ -529,6 +580,9 @@ class PackedLinear(nn.Module):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), batch_size=1)
 
     def forward(self, x: Tensor) -> Tensor:
+        return row_by_row(self._rows, x)
+
+    def _rows(self, x: Tensor) -> Tensor:
         shape = x.shape
         y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), self.packed, self.bias, "none", [], "")
         return y.view(*shape[:-1], y.shape[-1])
@@ -698,6 +752,9 @@ def use_kernels(model: Transformer, kernel: str = "auto", source: Mapping[str, T
         raise ValueError("the mkldnn kernel needs bf16 weights on a CPU with oneDNN")
     if kernel in ("int8", "q4") and (model.dtype != torch.bfloat16 or model.device.type != "cpu"):
         raise ValueError(f"the {kernel} kernel needs bf16 activations on a CPU")
+    if kernel == "plain" and model.dtype != torch.float32 and model.device.type == "cpu":
+        for lin in [model.lm_head, *(m for b in model.layers for m in b.modules() if type(m) is nn.Linear)]:
+            lin.__class__ = RowInvariantLinear  # same parameters; only the forward changes
     wrap = {"mkldnn": PackedLinear, "int8": Int8Linear, "q4": Int4Linear}.get(kernel)
     head_wrap = wrap
     if kernel == "q4":
