@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from m2r2.errors import M2R2Error, SettingsError
+from m2r2.errors import InputError, M2R2Error, SettingsError
 
 DEFAULT_PROMPT_SYSTEM = None
 #: Training prompts shared by the project (relative to the repository root).
@@ -362,13 +362,18 @@ def cmd_train_mod(args: argparse.Namespace) -> int:
 def cmd_eval_align(args: argparse.Namespace) -> int:
     import torch
 
-    from m2r2.multirate.io import load_default
+    from m2r2.multirate.io import adapter_kind, load_default, read_meta
+    from m2r2.multirate.seeded import SeededFastStream
     from m2r2.training.distill import generate_batch
     from m2r2.training.evaluate import align_report, eval_prompts, markdown
 
+    if args.adapters and adapter_kind(read_meta(Path(args.adapters))["config"]) == "seeded":
+        args.dtype, args.kernel = "fp32", "plain"  # the seeded report runs the training form in float32
     engine = _engine(args, quiet=args.json)
     stream = load_default(engine.model, engine.fingerprint, Path(args.adapters) if args.adapters else None)
-    stream.to(engine.model.device).freeze(merge=args.merged)
+    seeded = isinstance(stream, SeededFastStream)
+    if not seeded:
+        stream.to(engine.model.device).freeze(merge=args.merged)
     prompts = eval_prompts(args.dataset, Path(args.eval_root), args.limit)
     ids = [engine.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in prompts]
     records: list[dict] = []
@@ -388,6 +393,14 @@ def cmd_eval_align(args: argparse.Namespace) -> int:
         if saved is not None and not saved.is_file():
             saved.parent.mkdir(parents=True, exist_ok=True)
             saved.write_text("".join(json.dumps(r) + "\n" for r in records))
+        if seeded:
+            from m2r2.training.seeded_train import held_out_agreement
+
+            seqs = [(r["prompt_ids"] + r["answer_ids"], len(r["prompt_ids"])) for r in records]
+            agree = held_out_agreement(engine.model, stream, seqs, chain=4)
+            rep = {"kind": "seeded", "layers": stream.cfg.layers, "agree_per_draft_position": agree}
+            print(json.dumps({**rep, "dataset": args.dataset, "prompts": len(prompts)}, indent=2))
+            return 0
         rep = align_report(stream, records, block=args.block)
     rep["dataset"], rep["prompts"] = args.dataset, len(prompts)
     print(json.dumps(rep, indent=2) if args.json else markdown(rep))
@@ -652,7 +665,136 @@ def build_parser() -> argparse.ArgumentParser:
     mf.add_argument("--out", default=None, help="output directory (default: $M2R2_CACHE/models/<deterministic name>)")
     mf.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     mf.set_defaults(func=cmd_moefy)
+    _add_seeded_commands(sub)
     return p
+
+
+def _add_seeded_commands(sub: argparse._SubParsersAction) -> None:
+    st = sub.add_parser(
+        "store",
+        help="run the frozen base model once over conversations and store what fast-stream training needs",
+        description="Builds a sharded, resumable training store (final slow states and the slow K/V of the last "
+        "layers) from ../shared/data/train/conversations.jsonl, rebalanced by source. Re-running the same command "
+        "continues where it stopped. Then train with `m2r2 train-seeded --store DIR`.",
+    )
+    st.add_argument("--data", default=str(_default_conversations()), help="conversations JSONL")
+    st.add_argument("--out", default="runs/store", help="store directory (default runs/store)")
+    st.add_argument("--limit", type=int, default=0, help="stop after this many conversations in all (0 = all)")
+    st.add_argument("--minutes", type=float, default=0.0, help="stop after this many minutes of this run (0 = none)")
+    st.add_argument("--max-len", type=int, default=256, help="tokens kept per conversation (default 256)")
+    st.add_argument("--batch", type=int, default=8, help="sequences per base-model pass (default 8)")
+    st.add_argument("--kv-layers", type=int, default=4, help="store the slow K/V of this many last layers")
+    st.add_argument("--model", default=os.environ.get("M2R2_MODEL"), help="base model (default smollm2-135m)")
+    st.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    st.set_defaults(func=cmd_store)
+
+    ts = sub.add_parser(
+        "train-seeded",
+        help="train the seeded fast stream (deep layers + adapters, drafts token trees) from a training store",
+        description="Trains fuse + accelerator adapters + ARLA of the seeded fast stream on a store from `m2r2 "
+        "store`, with train-time drafting chains. Writes DIR/adapters.safetensors (+ .json); use it with "
+        "`--option adapters=DIR/adapters.safetensors` or copy it into src/m2r2/adapters/ to ship it.",
+    )
+    ts.add_argument("--store", default="runs/store", help="training store directory (default runs/store)")
+    ts.add_argument("--out", default="runs/seeded", help="checkpoint and adapter directory (default runs/seeded)")
+    ts.add_argument("--depth", type=int, default=1, help="fast layers K: the last K base layers (default 1)")
+    ts.add_argument("--rank", type=int, default=32, help="adapter rank (default 32)")
+    ts.add_argument("--chain", type=int, default=3, help="draft steps trained per position (default 3)")
+    ts.add_argument("--steps", type=int, default=100000, help="maximum optimizer steps")
+    ts.add_argument("--minutes", type=float, default=0.0, help="wall-clock budget in minutes (0 = none)")
+    ts.add_argument("--batch", type=int, default=16, help="sequences per step (default 16)")
+    ts.add_argument("--lr", type=float, default=2e-3, help="AdamW learning rate (default 2e-3)")
+    ts.add_argument("--holdout", type=int, default=48, help="store sequences kept out for validation")
+    ts.add_argument("--seed", type=int, default=0)
+    ts.add_argument("--resume", action="store_true", help="continue from --out/checkpoint.pt")
+    ts.add_argument("--draft-vocab", default=None, help="adapter file whose draft vocabulary to use (default: shipped)")
+    ts.add_argument("--model", default=os.environ.get("M2R2_MODEL"), help="base model (default smollm2-135m)")
+    ts.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ts.set_defaults(func=cmd_train_seeded)
+
+
+def _default_conversations() -> Path:
+    return Path(__file__).resolve().parents[3] / "shared" / "data" / "train" / "conversations.jsonl"
+
+
+def cmd_store(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from m2r2.engine import Engine
+    from m2r2.training.store import StoreSettings, build_store, chat_encoder
+
+    data = Path(args.data)
+    if not data.is_file():
+        raise InputError(f"{data}: no such conversations file")
+    engine = Engine(args.model, dtype="fp32", threads=args.threads)
+    s = StoreSettings(data=str(data), max_len=args.max_len, batch=args.batch, kv_layers=args.kv_layers)
+    bar = tqdm(desc="store", unit="conv", file=sys.stderr)
+
+    def progress(done: int, end: int, _: float) -> None:
+        bar.total = end
+        bar.update(done - bar.n)
+
+    man = build_store(
+        engine.model,
+        engine.fingerprint,
+        chat_encoder(engine.tokenizer),
+        Path(args.out),
+        s,
+        args.limit,
+        args.minutes,
+        progress,
+    )
+    bar.close()
+    tokens = sum(int(x["tokens"]) for x in man["shards"])
+    print(
+        json.dumps(
+            {
+                "store": args.out,
+                "conversations": man["conversations_done"],
+                "tokens": tokens,
+                "shards": len(man["shards"]),
+            }
+        )
+    )
+    return 0
+
+
+def cmd_train_seeded(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from m2r2.engine import Engine
+    from m2r2.multirate.io import bundled_adapters, load_adapters
+    from m2r2.training.seeded_train import SeededTrainSettings, train_seeded
+
+    engine = Engine(args.model, dtype="fp32", threads=args.threads)
+    src = Path(args.draft_vocab) if args.draft_vocab else bundled_adapters(engine.fingerprint, "prefix")
+    vocab = load_adapters(src, engine.model, engine.fingerprint).draft_vocab if src else None
+    s = SeededTrainSettings(
+        store=Path(args.store),
+        out=Path(args.out),
+        depth=args.depth,
+        rank=args.rank,
+        chain=args.chain,
+        steps=args.steps,
+        minutes=args.minutes,
+        batch=args.batch,
+        lr=args.lr,
+        holdout=args.holdout,
+        seed=args.seed,
+        resume=args.resume,
+        info={"base_model": str(args.model or "smollm2-135m")},
+    )
+    bar = tqdm(desc="train-seeded", unit="step", file=sys.stderr)
+
+    def log(d: dict) -> None:
+        bar.update(1)
+        bar.set_postfix(ce=f"{d['ce']:.3f}", agree="/".join(f"{a:.2f}" for a in d["agree"]), tok_s=f"{d['tok_s']:.0f}")
+
+    train_seeded(engine.model, engine.fingerprint, s, vocab, log)
+    bar.close()
+    meta = json.loads((Path(args.out) / "adapters.json").read_text())
+    print(json.dumps({"adapters": str(Path(args.out) / "adapters.safetensors"), "validation": meta["validation"]}))
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -53,6 +53,8 @@ class SeededTrainSettings:
     ckpt_minutes: float = 5.0
     resume: bool = False
     holdout: int = 48
+    #: adapters to start from (an earlier run's, e.g. before the store grew): matching tensors are copied
+    init: str | None = None
     info: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -150,6 +152,13 @@ def train_seeded(
         if k not in ("out", "store", "minutes", "steps", "resume", "ckpt_minutes", "info")
     }
     step = 0
+    if s.init and not s.resume:
+        from m2r2.multirate.io import load_adapters
+
+        start = load_adapters(Path(s.init), base, fingerprint)
+        if not isinstance(start, SeededFastStream) or start.cfg != cfg:
+            raise SettingsError(f"--init {s.init} is not a seeded fast stream of this shape ({cfg.to_dict()})")
+        stream.load_state_dict(start.state_dict())
     if s.resume:
         state = load_checkpoint(ckpt, fingerprint, cfg.to_dict(), traj, digest)
         stream.load_state_dict(state["stream"])
@@ -235,6 +244,40 @@ def evaluate_chain(stream: SeededFastStream, seqs: list[dict[str, Tensor]], dept
     total = [0] * chain
     for i in range(0, len(seqs), 16):
         batch = pad_batch(seqs[i : i + 16], depth)
+        out = chain_losses(stream, batch, chain)
+        pos = torch.arange(batch["tokens"].shape[1])
+        for s, a in enumerate(out["agree"]):
+            n = int((batch["valid"] & (pos >= s + 1)[None, :]).sum())
+            hits[s] += a * n
+            total[s] += n
+    stream.train(was)
+    return [h / max(t, 1) for h, t in zip(hits, total, strict=True)]
+
+
+@torch.no_grad()
+def answers_store(base: Transformer, answers: list[list[int]], depth: int) -> list[dict[str, Tensor]]:
+    """Store-form sequences (slow ``h_N`` and the last ``depth`` layers' K/V) of token sequences."""
+    from m2r2.training.store import slow_pass
+
+    n = base.cfg.num_layers
+    return [r for seq in answers for r in slow_pass(base, [seq], list(range(n - depth, n)))]
+
+
+def held_out_agreement(
+    base: Transformer, stream: SeededFastStream, sequences: list[tuple[list[int], int]], chain: int
+) -> list[float]:
+    """Agreement at draft steps 1..chain on the answer part of ``(tokens, answer_start)`` sequences.
+
+    Used with the base model's own greedy answers to eval prompts that training never saw: the
+    acceptance proxy the speculative loop sees, per draft position.
+    """
+    rows = answers_store(base, [t for t, _ in sequences], stream.cfg.depth)
+    hits, total = [0.0] * chain, [0] * chain
+    was = stream.training
+    stream.eval()
+    for row, (_, start) in zip(rows, sequences, strict=True):
+        batch = pad_batch([row], stream.cfg.depth)
+        batch["valid"][:, :start] = False  # score answer positions only (the prompt is not drafted)
         out = chain_losses(stream, batch, chain)
         pos = torch.arange(batch["tokens"].shape[1])
         for s, a in enumerate(out["agree"]):
