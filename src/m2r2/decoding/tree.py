@@ -121,13 +121,14 @@ class TreeSpeculative:
             tokens = torch.tensor([[tree.tokens[r] for r in frontier]], device=dev)
             states, fast_kv = self.fast.step(seeds, tokens, positions, cache, verified, fast_kv, vis.to(dev))
             kv_rows = rows
-            logits = self.fast.draft_logits(states[-1])[0]  # [n, V]
-            q = torch.softmax(logits, -1) if greedy else warp_probs(logits, gen)
+            if greedy:
+                top_ids, top_p = self.fast.draft_top(states[-1][0], branch)  # [n, branch]
+            else:
+                q = warp_probs(self.fast.draft_logits(states[-1])[0], gen)  # [n, V]
             cands: list[tuple[float, int, int, int]] = []  # (score, parent row in frontier, token, i)
-            top = q.topk(branch, dim=-1) if greedy else None
             for i, r in enumerate(frontier):
                 if greedy:
-                    for p, t in zip(top.values[i].tolist(), top.indices[i].tolist(), strict=True):
+                    for p, t in zip(top_p[i].tolist(), top_ids[i].tolist(), strict=True):
                         cands.append((tree.scores[r] * p, i, t, r))
                 else:
                     t = int(torch.multinomial(q[i], 1, generator=self._rng))
@@ -321,7 +322,7 @@ def measure_tree_costs(model: Transformer, fast: SeededFastStream, k_max: int, r
 
         def one(h=h, toks=toks, pos=pos, vis=vis) -> None:
             states, _ = fast.step(h, toks, pos, cache, ctx, None, vis)
-            fast.draft_logits(states[-1]).softmax(-1).topk(2, dim=-1)
+            fast.draft_top(states[-1][0], 2)
 
         calls.append(one)
     for k in range(1, k_max + 2):

@@ -211,6 +211,17 @@ class SeededFastStream(nn.Module):
         out = sub.new_full((*sub.shape[:-1], self.base.cfg.vocab_size), float("-inf"))
         return out.index_copy_(-1, self.draft_vocab.to(sub.device), sub)
 
+    def draft_top(self, f: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """Greedy drafting's ``k`` most probable next tokens and their draft probabilities (``[..., k]``).
+
+        Softmax and top-k run over the draft vocabulary only (not a 49k row of -inf): same numbers.
+        """
+        if self.sub_head is None or self.draft_vocab is None:
+            top = torch.softmax(self.draft_logits(f), -1).topk(k, dim=-1)
+            return top.indices, top.values
+        top = torch.softmax(self.sub_head(self.base.norm(f)).float(), -1).topk(k, dim=-1)
+        return self.draft_vocab.to(f.device)[top.indices], top.values
+
     def step(
         self,
         h_prev: Tensor,
