@@ -209,7 +209,7 @@ class TreeSpeculative:
                 vis = tree.ancestors(rows)
                 mask = torch.cat([torch.ones(n_rows, verified, dtype=torch.bool), vis], dim=1).to(model.device)
                 h = model.run_layers(model.embed_tokens(ids), cache, verified, positions=positions, mask=mask)
-            out = model.head(h)[0]
+            out = model.head_argmax(h)[0] if gen.greedy else model.head(h)[0]
             passes += 1
             path, nxt = self._accept(tree, rows, out, gen, sampler)
             drafted += n_rows - 1
@@ -268,14 +268,17 @@ class TreeSpeculative:
     def _accept(
         tree: Tree, rows: list[int], out: Tensor, gen: GenerationConfig, sampler: Sampler
     ) -> tuple[list[int], int]:
-        """Accepted path (tree nodes from the root) and the slow model's token after it."""
+        """Accepted path (tree nodes from the root) and the slow model's token after it.
+
+        ``out``: per verify row, the greedy token (greedy) or the logits (sampling).
+        """
         index = {r: i for i, r in enumerate(rows)}
         children: dict[int, list[int]] = {}
         for r in rows[1:]:
             children.setdefault(tree.parents[r], []).append(r)
         path = [0]
-        if gen.greedy:
-            target = out.argmax(-1).tolist()
+        if gen.greedy:  # ``out`` holds each row's argmax token
+            target = out.tolist()
             while True:
                 want = target[index[path[-1]]]
                 nxt = next((c for c in children.get(path[-1], []) if tree.tokens[c] == want), None)
