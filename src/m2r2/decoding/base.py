@@ -128,9 +128,11 @@ def begin(
     t0 = time.perf_counter()
     stopper = Stopper(gen, eos_ids, decode, ctx - len(prompt))
     cache = model.new_cache(cache_capacity(len(prompt), stopper.budget, ctx))
-    h = model.run_layers(model.embed_tokens(torch.tensor([prompt], device=model.device)), cache, 0)[:, -1:]
-    if last_hidden is not None:
-        last_hidden.append(h)
+    tokens = torch.tensor([prompt], device=model.device)
+    if last_hidden is None:  # through ``model(...)``: wrappers that hook each forward pass see it
+        return t0, stopper, cache, model(tokens, cache, 0, last_only=True)
+    h = model.run_layers(model.embed_tokens(tokens), cache, 0)[:, -1:]
+    last_hidden.append(h)
     return t0, stopper, cache, model.head(h)
 
 
