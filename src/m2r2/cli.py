@@ -5,15 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from m2r2.errors import M2R2Error, SettingsError
-
-DEFAULT_PROMPT_SYSTEM = None
-#: Training prompts shared by the project (relative to the repository root).
-DEFAULT_TRAIN_PROMPTS = Path("../shared/data/train/prompts.jsonl")
+from m2r2.paths import DEFAULT_ANSWERS, DEFAULT_TRAIN_PROMPTS
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -139,12 +137,18 @@ class _Printer:
             self.shown = text
 
 
+def _read_stdin() -> str:
+    """All of stdin; bytes that are not UTF-8 are kept as surrogates for the tokenizer's one-line error."""
+    raw = getattr(sys.stdin, "buffer", None)
+    return raw.read().decode("utf-8", "surrogateescape") if raw is not None else sys.stdin.read()
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from m2r2.engine import AUTO_METHOD
     from m2r2.tokenizer import messages_for
 
     gen = _gen_config(args)
-    prompt = args.prompt if args.prompt != "-" else sys.stdin.read()
+    prompt = args.prompt if args.prompt != "-" else _read_stdin()
     if not prompt.strip():
         raise M2R2Error("the prompt is empty")
     engine = _engine(args, quiet=args.json)
@@ -223,7 +227,8 @@ def _fraction(text: str) -> float:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from m2r2.bench.harness import BenchSettings, run_bench
+    from m2r2.bench.harness import run_bench
+    from m2r2.bench.results import BenchSettings, check_out_dir
 
     settings = BenchSettings(
         dataset=args.dataset,
@@ -237,7 +242,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         cache_fractions=[_fraction(f) for f in _csv(args.cache_fractions) or []] or None,
         policies=_csv(args.policies),
         adapters=Path(args.adapters) if args.adapters else None,
+        full=args.full,
+        command=shlex.join(["m2r2", *args.argv]),
     )
+    check_out_dir(settings)  # before loading or building any model
     if args.suite == "moe" and not args.model:  # the MoEfied bundled model, built once into the cache
         from m2r2.moe.moefy import moefy_default
 
@@ -482,8 +490,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument(
         "--dataset",
-        default="mt_bench",
-        help="mt_bench, koala, self_instruct, wizardlm, vicuna, spec_bench, builtin, or a JSONL path",
+        default=None,
+        help="mt_bench (default), koala, self_instruct, wizardlm, vicuna, spec_bench, builtin, or a JSONL path; "
+        "with --suite dynamic or moe, the one dataset to run instead of the suite's own",
+    )
+    b.add_argument(
+        "--full",
+        action="store_true",
+        help="--suite dynamic: the full knob sweep (default: a few chosen points that run in minutes)",
     )
     b.add_argument(
         "--suite",
@@ -519,7 +533,7 @@ def build_parser() -> argparse.ArgumentParser:
         "a rerun resumes where an interrupted run stopped. Eval sets are refused.",
     )
     d.add_argument("--prompts", default=str(DEFAULT_TRAIN_PROMPTS), help="training prompts JSONL (never an eval set)")
-    d.add_argument("--out", default="runs/distill/answers.jsonl", help="output JSONL (appended; resumable)")
+    d.add_argument("--out", default=str(DEFAULT_ANSWERS), help="output JSONL (appended; resumable)")
     d.add_argument("--limit", type=int, default=2000, help="number of prompts to answer (0 = all)")
     d.add_argument("--max-new-tokens", type=int, default=256, help="answer length cap (default 256)")
     d.add_argument("--max-prompt-tokens", type=int, default=384, help="skip longer prompts (default 384)")
@@ -533,7 +547,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Self-distillation on `m2r2 distill-data` output. Checkpoints to --out every few minutes "
         "(atomically); --resume continues bit-for-bit. Works under `accelerate launch` / torchrun.",
     )
-    t.add_argument("--data", default="runs/distill/answers.jsonl", help="distilled answers JSONL")
+    t.add_argument("--data", default=str(DEFAULT_ANSWERS), help="distilled answers JSONL")
     t.add_argument("--out", default="runs/train", help="checkpoint and adapter directory (default runs/train)")
     t.add_argument("--rate", type=int, default=None, help="R: fast layer j is aligned to slow layer R*j (default 3)")
     t.add_argument("--depth", type=int, default=None, help="K fast layers (default ceil(N/R))")
@@ -573,7 +587,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="KL to the full model + a compute penalty on soft gates; only the routers train. "
         "Checkpoints to --out atomically; --resume continues bit-for-bit.",
     )
-    tm.add_argument("--data", default="runs/train/data.jsonl", help="distilled answers JSONL")
+    tm.add_argument("--data", default=str(DEFAULT_ANSWERS), help="distilled answers JSONL")
     tm.add_argument("--out", default="runs/mod", help="checkpoint and router directory (default runs/mod)")
     tm.add_argument("--steps", type=int, default=100_000, help="maximum optimizer steps")
     tm.add_argument("--minutes", type=float, default=0.0, help="wall-clock budget in minutes (0 = none)")
@@ -628,10 +642,8 @@ def build_parser() -> argparse.ArgumentParser:
         "training prompts'; end-of-sequence ids are always kept. Rewrites the adapter file atomically.",
     )
     dv.add_argument("--adapters", default=None, help="adapter .safetensors (default: the shipped ones)")
-    dv.add_argument("--data", default="runs/train/data.jsonl", help="distilled answers JSONL (m2r2 distill-data)")
-    dv.add_argument(
-        "--prompts", default="../shared/data/train/prompts.jsonl", help="training prompts JSONL ('' to skip)"
-    )
+    dv.add_argument("--data", default=str(DEFAULT_ANSWERS), help="distilled answers JSONL (m2r2 distill-data)")
+    dv.add_argument("--prompts", default=str(DEFAULT_TRAIN_PROMPTS), help="training prompts JSONL ('' to skip)")
     dv.add_argument("--size", type=int, default=8192, help="tokens kept (default 8192 of 49152)")
     dv.add_argument("--out", default=None, help="write here instead of rewriting --adapters")
     _add_model_args(dv)
@@ -648,7 +660,7 @@ def build_parser() -> argparse.ArgumentParser:
     mf.add_argument("--top-k", type=int, default=None, help="experts per token (default 8)")
     mf.add_argument("--method", default="coact", choices=["coact", "weights"], help="neuron clustering features")
     mf.add_argument("--shared", type=int, default=None, help="FFN neurons kept in an always-on shared expert")
-    mf.add_argument("--data", default="runs/train/data.jsonl", help="distilled answers JSONL (m2r2 distill-data)")
+    mf.add_argument("--data", default=str(DEFAULT_ANSWERS), help="distilled answers JSONL (m2r2 distill-data)")
     mf.add_argument("--out", default=None, help="output directory (default: $M2R2_CACHE/models/<deterministic name>)")
     mf.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     mf.set_defaults(func=cmd_moefy)
@@ -658,6 +670,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return int(args.func(args) or 0)
     except M2R2Error as e:

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from m2r2.decoding.base import GenerationConfig, GenerationResult, Strategy
+from m2r2.errors import SettingsError
 
 if TYPE_CHECKING:
     from m2r2.engine import Engine
@@ -51,9 +52,75 @@ def method_options(name: str) -> list[str]:
     return [p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
+#: Range of each numeric method option (inclusive; None = open). Bounds that depend on the model
+#: (layer counts) are the strategy's own check.
+OPTION_RANGES: dict[str, tuple[float | None, float | None]] = {
+    "max_draft": (1, None),
+    "stop_below": (0.0, 1.0),
+    "threshold": (0.0, None),
+    "max_pending": (1, None),
+    "backoff": (0, None),
+    "window": (1, None),
+    "ngram": (2, None),
+    "candidates": (1, None),
+    "exit_layer": (1, None),
+    "layer": (1, None),
+    "min_layer": (1, None),
+    "max_layer": (1, None),
+    "depth": (1, None),
+}
+
+
+def _typed(option: str, kinds: set[str], value: Any) -> Any:
+    """``value`` as the type its factory declares (``int``, ``float``, ``bool``, ``str``), else a SettingsError."""
+    if (value is None and "None" in kinds) or "Any" in kinds:
+        return value
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if "bool" in kinds and isinstance(value, bool):
+        return value
+    if "int" in kinds and number and float(value).is_integer():
+        return int(value)
+    if "float" in kinds and number:
+        return float(value)
+    if "str" in kinds and not isinstance(value, bool) and value is not None:
+        return str(value)
+    want = " or ".join({"int": "an integer", "float": "a number", "bool": "true/false", "str": "text"}[k]
+                       for k in ("int", "float", "bool", "str") if k in kinds)  # fmt: skip
+    raise SettingsError(f"{option} must be {want}, got {value!r}")
+
+
+def check_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
+    """Method ``name``'s options, each checked against its factory's declared type and :data:`OPTION_RANGES`."""
+    _load_builtin()
+    params = dict(list(inspect.signature(_REGISTRY[name][0]).parameters.items())[1:])
+    out = {}
+    for key, value in options.items():
+        if key not in params:
+            accepted = method_options(name)
+            raise SettingsError(f"method {name!r} takes no option {key}; its options: {', '.join(accepted) or 'none'}")
+        ann = params[key].annotation
+        kinds = {k.strip() for k in (ann if isinstance(ann, str) else getattr(ann, "__name__", "Any")).split("|")}
+        value = _typed(key, kinds, value)
+        low, high = OPTION_RANGES.get(key, (None, None))
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if number and ((low is not None and value < low) or (high is not None and value > high)):
+            span = f">= {low:g}" if high is None else f"in [{low:g}, {high:g}]"
+            raise SettingsError(f"{key} must be {span}, got {value}")
+        out[key] = value
+    return out
+
+
 def build_strategy(name: str, engine: Engine, **options: Any) -> Strategy:
     _load_builtin()
     return _REGISTRY[name][0](engine, **options)
 
 
-__all__ = ["GenerationConfig", "GenerationResult", "Strategy", "build_strategy", "method_names", "register"]
+__all__ = [
+    "GenerationConfig",
+    "GenerationResult",
+    "Strategy",
+    "build_strategy",
+    "check_options",
+    "method_names",
+    "register",
+]

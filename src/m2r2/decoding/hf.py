@@ -45,7 +45,7 @@ def hf_model(engine: Engine) -> PreTrainedModel:
         from transformers import GenerationConfig as HFConfig
         from transformers.utils import logging as hf_logging
 
-        from m2r2.engine import parse_dtype
+        from m2r2.loading import parse_dtype
 
         hf_logging.set_verbosity_error()
         bars_on = hf_logging.is_progress_bar_enabled()

@@ -269,7 +269,7 @@ def cost_cache_path(engine: Engine, fast: FastStream, k_max: int) -> Path:
     kernel, the drafter's shape: path, rank, folded or not, draft-vocabulary size) and nothing they
     do not (the adapter values), so retrained adapters of the same shape reuse the measurement.
     """
-    from m2r2.engine import cpu_name
+    from m2r2.machine import cpu_name
 
     parts = {
         "cpu": cpu_name(),

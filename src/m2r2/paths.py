@@ -1,0 +1,34 @@
+"""Where m2r2 finds the data the project ships and keeps what its commands produce (one default each)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+#: Distilled answers: written by ``m2r2 distill-data``, read by ``train``, ``train-mod``, ``draft-vocab``, ``moefy``.
+DEFAULT_ANSWERS = Path("runs/distill/answers.jsonl")
+#: Training prompts shared by the project (relative to the repository root).
+DEFAULT_TRAIN_PROMPTS = Path("../shared/data/train/prompts.jsonl")
+
+
+def shared_data(sub: str) -> Path | None:
+    """``shared/data/<sub>``: from ``$M2R2_SHARED`` (the shared dir or the folder itself), else the
+    first one found walking up from the working directory, then from the installed package."""
+    env = os.environ.get("M2R2_SHARED")
+    if env:
+        for cand in (Path(env) / "data" / sub, Path(env) / sub, Path(env)):
+            if cand.is_dir() and any(cand.glob("*.jsonl")):
+                return cand
+    for start in (Path.cwd().resolve(), Path(__file__).resolve().parent):
+        for d in (start, *start.parents):
+            cand = d / "shared" / "data" / sub
+            if cand.is_dir():
+                return cand
+    return None
+
+
+def shipped_conversations() -> Path | None:
+    """The project's training conversations (``shared/data/train/conversations.jsonl``), if reachable."""
+    train = shared_data("train")
+    path = train / "conversations.jsonl" if train else None
+    return path if path is not None and path.is_file() else None
