@@ -339,7 +339,7 @@ def cmd_train_mod(args: argparse.Namespace) -> int:
 
     from m2r2.loading import load_model, resolve_model
     from m2r2.training.distill import load_distilled
-    from m2r2.training.mod import MoDSettings, train_mod
+    from m2r2.training.mixture_of_depths import MoDSettings, train_mod
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -14,7 +14,7 @@ from m2r2.decoding.base import GenerationConfig, GenerationResult, Strategy
 from m2r2.errors import SettingsError
 
 if TYPE_CHECKING:
-    from m2r2.engine import Engine
+    from m2r2.decoding.base import Loaded
 
 Factory = Callable[..., Strategy]
 _REGISTRY: dict[str, tuple[Factory, str]] = {}
@@ -32,7 +32,7 @@ def register(name: str, help: str) -> Callable[[Factory], Factory]:
 
 def _load_builtin() -> None:
     # Imported for their @register side effects; kept lazy so `import m2r2` stays light.
-    from m2r2.decoding import autoregressive, dynamic, hf, lookahead, mod, speculative  # noqa: F401
+    from m2r2.decoding import autoregressive, dynamic, hf, lookahead, mixture_of_depths, speculative  # noqa: F401
 
 
 def method_names() -> list[str]:
@@ -110,7 +110,7 @@ def check_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def build_strategy(name: str, engine: Engine, **options: Any) -> Strategy:
+def build_strategy(name: str, engine: Loaded, **options: Any) -> Strategy:
     _load_builtin()
     return _REGISTRY[name][0](engine, **options)
 

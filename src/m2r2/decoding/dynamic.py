@@ -78,7 +78,7 @@ from m2r2.model import ROW_INVARIANT_MAX_ROWS, Transformer
 from m2r2.multirate.fast import FastStream, fast_layer
 
 if TYPE_CHECKING:
-    from m2r2.engine import Engine
+    from m2r2.decoding.base import Loaded
 
 #: A completion pass holds max_pending + 1 rows; beyond the row-invariant limit it is not bit-exact.
 MAX_PENDING_LIMIT = ROW_INVARIANT_MAX_ROWS - 1
@@ -547,7 +547,7 @@ class FastStreamExit(PendingDecoder):
     "max_pending, backoff (skip up to this many probes after probes that did not exit), adapters",
 )
 def _m2r2_dynamic(
-    engine: Engine,
+    engine: Loaded,
     threshold: float = 0.8,
     exits: Any = None,
     max_pending: int = 16,
@@ -564,7 +564,7 @@ def _m2r2_dynamic(
 
 
 @register("static-exit", "baseline (lossy): every token exits at base layer L (options layer, max_pending)")
-def _static_exit(engine: Engine, layer: int | None = None, max_pending: int = 16) -> StaticExit:
+def _static_exit(engine: Loaded, layer: int | None = None, max_pending: int = 16) -> StaticExit:
     return StaticExit(engine.model, engine.tokenizer.eos_ids, engine.tokenizer.decode, layer, max_pending)
 
 
@@ -574,7 +574,7 @@ def _static_exit(engine: Engine, layer: int | None = None, max_pending: int = 16
     "exits, max_pending)",
 )
 def _calm(
-    engine: Engine, threshold: float = 0.9, measure: str = "maxprob", exits: Any = None, max_pending: int = 16
+    engine: Loaded, threshold: float = 0.9, measure: str = "maxprob", exits: Any = None, max_pending: int = 16
 ) -> CalmExit:
     tok = engine.tokenizer
     return CalmExit(engine.model, tok.eos_ids, tok.decode, threshold, measure, exits, max_pending)
@@ -586,7 +586,7 @@ def _calm(
     "max_pending)",
 )
 def _skip_decoding(
-    engine: Engine, max_layer: int | None = None, min_layer: int | None = None, max_pending: int = 16
+    engine: Loaded, max_layer: int | None = None, min_layer: int | None = None, max_pending: int = 16
 ) -> SkipDecoding:
     tok = engine.tokenizer
     return SkipDecoding(engine.model, tok.eos_ids, tok.decode, max_layer, min_layer, max_pending)

@@ -46,7 +46,7 @@ from m2r2.model import ROW_INVARIANT_MAX_ROWS, Transformer
 from m2r2.multirate.fast import DraftBlock, FastConfig, FastStream
 
 if TYPE_CHECKING:
-    from m2r2.engine import Engine
+    from m2r2.decoding.base import Loaded
 
 
 class Drafter(Protocol):
@@ -262,7 +262,7 @@ def measure_costs(
 COST_CACHE_MAX_AGE_S = 24 * 3600
 
 
-def cost_cache_path(engine: Engine, fast: FastStream, k_max: int) -> Path:
+def cost_cache_path(engine: Loaded, fast: FastStream, k_max: int) -> Path:
     """Where measured costs of this drafter on this machine are kept: ``$M2R2_CACHE/costs/<key>.json``.
 
     The key holds everything the timings depend on (hardware, threads, versions, model, precision,
@@ -345,7 +345,7 @@ class FastStreamDrafter:
 
 def build_self_speculative(
     name: str,
-    engine: Engine,
+    engine: Loaded,
     fast: FastStream,
     max_draft: int = 8,
     stop_below: float = 0.2,
@@ -384,7 +384,7 @@ def build_self_speculative(
 
 @register("m2r2", "M2R2 self-speculative decoding: the fast stream drafts, the slow stream verifies (lossless)")
 def _m2r2(
-    engine: Engine,
+    engine: Loaded,
     adapters: str | None = None,
     max_draft: int = 8,
     stop_below: float = 0.2,
@@ -400,7 +400,7 @@ def _m2r2(
 
 @register("early-exit-spec", "ablation: the same self-speculative loop drafting by plain early exit (no adapters)")
 def _early_exit_spec(
-    engine: Engine,
+    engine: Loaded,
     depth: int | None = None,
     max_draft: int = 8,
     stop_below: float = 0.2,

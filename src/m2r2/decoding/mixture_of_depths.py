@@ -1,7 +1,7 @@
 """Method ``mod``: Mixture-of-Depths-style block skipping with routers trained on the frozen model.
 
 Each generated token runs block ``i`` only if its router says so (``g_i(x) >= threshold``, see
-:mod:`m2r2.training.mod`); otherwise its residual passes the block unchanged. The knob is a
+:mod:`m2r2.training.mixture_of_depths`); otherwise its residual passes the block unchanged. The knob is a
 per-token threshold rather than MoD's per-sequence capacity, because capacity-based top-k routing
 needs the whole sequence (non-causal) and we decode one token at a time; the MoD paper's own answer
 for sampling is likewise a causal per-token decision.
@@ -22,12 +22,15 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import Tensor
+import torch.nn.functional as F
+from torch import Tensor, nn
 
+from m2r2 import weightfile
 from m2r2.cache import KVCache
 from m2r2.decoding import register
 from m2r2.decoding.base import (
@@ -37,12 +40,100 @@ from m2r2.decoding.base import (
     StreamCallback,
     begin,
 )
-from m2r2.errors import SettingsError
+from m2r2.errors import SettingsError, WeightsError
 from m2r2.model import Transformer
-from m2r2.training.mod import Routers, load_default_routers
 
 if TYPE_CHECKING:
-    from m2r2.engine import Engine
+    from m2r2.decoding.base import Loaded
+
+# --------------------------------------------------------------------------- routers
+
+FORMAT = "m2r2-mod-routers"
+VERSION = 1
+ROUTERS = weightfile.Kind(FORMAT, "router", "an m2r2 Mixture-of-Depths router config", "`m2r2 train-mod`")
+
+
+@dataclass
+class RouterConfig:
+    num_layers: int
+    hidden_size: int
+    always_on: list[int] = field(default_factory=list)  # blocks without a router (always run)
+
+    @classmethod
+    def build(cls, num_layers: int, hidden_size: int, always_on: list[int] | None = None) -> RouterConfig:
+        on = sorted({0, num_layers - 1} if always_on is None else set(always_on))
+        if any(not 0 <= i < num_layers for i in on):
+            raise SettingsError(f"always-on blocks must be in 0..{num_layers - 1}, got {on}")
+        return cls(num_layers, hidden_size, on)
+
+    @property
+    def routed(self) -> list[int]:
+        return [i for i in range(self.num_layers) if i not in self.always_on]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RouterConfig:
+        return cls(int(d["num_layers"]), int(d["hidden_size"]), [int(i) for i in d.get("always_on", [])])
+
+
+class Routers(nn.Module):
+    """One linear ``d -> 1`` router per block (float32; rows of always-on blocks are unused)."""
+
+    def __init__(self, cfg: RouterConfig, init_bias: float = 3.0) -> None:
+        super().__init__()
+        self.cfg = cfg
+        # zero weights + positive bias: the untrained routed model runs every block with g ~ 0.95
+        self.weight = nn.Parameter(torch.zeros(cfg.num_layers, cfg.hidden_size))
+        self.bias = nn.Parameter(torch.full((cfg.num_layers,), float(init_bias)))
+        self.eps = 1e-6
+
+    def logit(self, x: Tensor, i: int) -> Tensor:
+        """Router logit of block ``i`` for inputs ``x`` (``[..., d]``), float32 ``[...]``."""
+        xn = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
+        return xn @ self.weight[i] + self.bias[i]
+
+
+# --------------------------------------------------------------------------- files
+
+
+def save_routers(path: Path, routers: Routers, fingerprint: str, **info: Any) -> Path:
+    """Weights (float32, they are tiny) then the JSON sidecar, both written atomically."""
+    sd = {k: v.detach().float().contiguous() for k, v in routers.state_dict().items()}
+    return weightfile.save(path, sd, ROUTERS, fingerprint, VERSION, routers.cfg.to_dict(), **info)
+
+
+def load_routers(path: Path, model: Transformer, fingerprint: str) -> Routers:
+    """Routers for ``model`` from a router file, after the fingerprint and checksum checks."""
+    sd, meta = weightfile.load(path, ROUTERS, fingerprint)
+    cfg = RouterConfig.from_dict(meta["config"])
+    if (cfg.num_layers, cfg.hidden_size) != (model.cfg.num_layers, model.cfg.hidden_size):
+        raise WeightsError(f"routers {Path(path).name} do not fit this model's {model.cfg.num_layers} layers")
+    routers = Routers(cfg)
+    expected = routers.state_dict()
+    if set(sd) != set(expected) or any(sd[k].shape != expected[k].shape for k in sd):
+        raise WeightsError(f"router weights {path} do not match their config {meta['config']}")
+    routers.load_state_dict(sd)
+    return routers.to(model.device).requires_grad_(False)
+
+
+def bundled_routers(fingerprint: str) -> Path | None:
+    """The routers shipped in ``m2r2/adapters/`` for the base model with this fingerprint, if any."""
+    return weightfile.bundled(ROUTERS, fingerprint)
+
+
+def load_default_routers(model: Transformer, fingerprint: str, path: Path | None = None) -> Routers:
+    path = path or bundled_routers(fingerprint)
+    if path is None:
+        raise WeightsError(
+            "no Mixture-of-Depths routers ship for this base model; train some with `m2r2 train-mod` "
+            "and pass --option routers=PATH"
+        )
+    return load_routers(path, model, fingerprint)
+
+
+# --------------------------------------------------------------------------- decoding
 
 #: Default threshold of the shipped routers (see benchmarks/dynamic/MOD_NOTES.md).
 DEFAULT_THRESHOLD = 0.5
@@ -134,7 +225,7 @@ class MixtureOfDepths:
 
 
 @register("mod", "Mixture-of-Depths baseline: trained per-block routers let each token skip blocks (lossy)")
-def _mod(engine: Engine, *, threshold: float = DEFAULT_THRESHOLD, routers: str | None = None) -> MixtureOfDepths:
+def _mod(engine: Loaded, *, threshold: float = DEFAULT_THRESHOLD, routers: str | None = None) -> MixtureOfDepths:
     threshold = check_threshold(threshold)
     r = load_default_routers(engine.model, engine.fingerprint, Path(routers) if routers else None)
     return MixtureOfDepths(engine.model, r, threshold, engine.tokenizer.eos_ids, engine.tokenizer.decode)

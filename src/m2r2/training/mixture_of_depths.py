@@ -19,8 +19,9 @@ the base model is frozen, so we train the per-token causal decision directly:
 * blocks in ``always_on`` (default: the first and the last) have no router: skipping the block
   that reads the embeddings or writes the final state costs the most quality for 1/N of compute.
 
-At decode time a token runs block ``i`` iff ``g_i >= threshold`` (``m2r2.decoding.mod``). Router
-files are ``NAME.safetensors`` + ``NAME.json`` bound to the base model's fingerprint, as adapters.
+At decode time a token runs block ``i`` iff ``g_i >= threshold``
+(:mod:`m2r2.decoding.mixture_of_depths`, which also holds the routers and their files: ``NAME.safetensors``
++ ``NAME.json`` bound to the base model's fingerprint, as adapters).
 Data order is a function of ``(seed, step)`` only, so a resumed run continues bit-for-bit.
 """
 
@@ -30,149 +31,23 @@ import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from m2r2.errors import SettingsError, WeightsError
-from m2r2.loading import file_hash
+from m2r2.decoding.mixture_of_depths import (  # noqa: F401 (RouterConfig, load_routers: re-exported)
+    RouterConfig,
+    Routers,
+    load_routers,
+    save_routers,
+)
+from m2r2.errors import SettingsError
 from m2r2.model import Block, Transformer
-from m2r2.multirate.io import _atomic_write, sidecar
 from m2r2.training.checkpoint import load_checkpoint, save_checkpoint
 from m2r2.training.loop import Progress, batch_indices, collate, make_sequences, run_steps
-
-FORMAT = "m2r2-mod-routers"
-VERSION = 1
-
-
-@dataclass
-class RouterConfig:
-    num_layers: int
-    hidden_size: int
-    always_on: list[int] = field(default_factory=list)  # blocks without a router (always run)
-
-    @classmethod
-    def build(cls, num_layers: int, hidden_size: int, always_on: list[int] | None = None) -> RouterConfig:
-        on = sorted({0, num_layers - 1} if always_on is None else set(always_on))
-        if any(not 0 <= i < num_layers for i in on):
-            raise SettingsError(f"always-on blocks must be in 0..{num_layers - 1}, got {on}")
-        return cls(num_layers, hidden_size, on)
-
-    @property
-    def routed(self) -> list[int]:
-        return [i for i in range(self.num_layers) if i not in self.always_on]
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> RouterConfig:
-        return cls(int(d["num_layers"]), int(d["hidden_size"]), [int(i) for i in d.get("always_on", [])])
-
-
-class Routers(nn.Module):
-    """One linear ``d -> 1`` router per block (float32; rows of always-on blocks are unused)."""
-
-    def __init__(self, cfg: RouterConfig, init_bias: float = 3.0) -> None:
-        super().__init__()
-        self.cfg = cfg
-        # zero weights + positive bias: the untrained routed model runs every block with g ~ 0.95
-        self.weight = nn.Parameter(torch.zeros(cfg.num_layers, cfg.hidden_size))
-        self.bias = nn.Parameter(torch.full((cfg.num_layers,), float(init_bias)))
-        self.eps = 1e-6
-
-    def logit(self, x: Tensor, i: int) -> Tensor:
-        """Router logit of block ``i`` for inputs ``x`` (``[..., d]``), float32 ``[...]``."""
-        xn = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
-        return xn @ self.weight[i] + self.bias[i]
-
-
-# --------------------------------------------------------------------------- files
-
-
-def save_routers(path: Path, routers: Routers, fingerprint: str, **info: Any) -> Path:
-    """Weights (float32, they are tiny) then the JSON sidecar, both written atomically."""
-    path = Path(path).with_suffix(".safetensors")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    sd = {k: v.detach().float().contiguous() for k, v in routers.state_dict().items()}
-    _atomic_write(path, lambda p: save_file(sd, str(p), metadata={"format": FORMAT}))
-    meta = {
-        "format": FORMAT,
-        "version": VERSION,
-        "config": routers.cfg.to_dict(),
-        "base_fingerprint": fingerprint,
-        "weights_sha256": file_hash(path),
-        **info,
-    }
-    _atomic_write(sidecar(path), lambda p: p.write_text(json.dumps(meta, indent=2) + "\n"))
-    return path
-
-
-def load_routers(path: Path, model: Transformer, fingerprint: str) -> Routers:
-    """Routers for ``model`` from a router file, after the fingerprint and checksum checks."""
-    path = Path(path).with_suffix(".safetensors")
-    side = sidecar(path)
-    try:
-        meta = json.loads(side.read_text())
-    except FileNotFoundError:
-        raise WeightsError(f"router config {side} is missing (routers are NAME.safetensors + NAME.json)") from None
-    except (OSError, json.JSONDecodeError) as e:
-        raise WeightsError(f"router config {side} is unreadable or corrupt: {e}") from e
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise WeightsError(f"{side} is not an m2r2 Mixture-of-Depths router config")
-    if meta.get("base_fingerprint") != fingerprint:
-        raise WeightsError(
-            f"routers {path.name} were trained for another base model (fingerprint {meta.get('base_fingerprint')}, "
-            f"this model is {fingerprint}); train routers for it with `m2r2 train-mod`"
-        )
-    if not path.is_file():
-        raise WeightsError(f"router weights {path} are missing")
-    if file_hash(path) != meta.get("weights_sha256"):
-        raise WeightsError(f"router weights {path} are truncated or corrupt (checksum mismatch)")
-    cfg = RouterConfig.from_dict(meta["config"])
-    if (cfg.num_layers, cfg.hidden_size) != (model.cfg.num_layers, model.cfg.hidden_size):
-        raise WeightsError(f"routers {path.name} do not fit this model's {model.cfg.num_layers} layers")
-    routers = Routers(cfg)
-    try:
-        with safe_open(str(path), framework="pt") as fh:
-            sd = {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118 (safe_open is not a dict)
-    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
-        raise WeightsError(f"router weights {path} are corrupt: {e}") from e
-    expected = routers.state_dict()
-    if set(sd) != set(expected) or any(sd[k].shape != expected[k].shape for k in sd):
-        raise WeightsError(f"router weights {path} do not match their config {meta['config']}")
-    routers.load_state_dict(sd)
-    return routers.to(model.device).requires_grad_(False)
-
-
-def bundled_routers(fingerprint: str) -> Path | None:
-    """The routers shipped in ``m2r2/adapters/`` for the base model with this fingerprint, if any."""
-    root = Path(str(resources.files("m2r2") / "adapters"))
-    for side in sorted(root.glob("*.json")):
-        try:
-            meta = json.loads(side.read_text())
-        except (OSError, json.JSONDecodeError):
-            continue
-        if meta.get("format") == FORMAT and meta.get("base_fingerprint") == fingerprint:
-            return side.with_suffix(".safetensors")
-    return None
-
-
-def load_default_routers(model: Transformer, fingerprint: str, path: Path | None = None) -> Routers:
-    path = path or bundled_routers(fingerprint)
-    if path is None:
-        raise WeightsError(
-            "no Mixture-of-Depths routers ship for this base model; train some with `m2r2 train-mod` "
-            "and pass --option routers=PATH"
-        )
-    return load_routers(path, model, fingerprint)
-
 
 # --------------------------------------------------------------------------- soft-routed forward
 
