@@ -199,8 +199,8 @@ def test_engine_refuses_bad_options_and_missing_routers(tiny_model):
 def test_shipped_routers_do_not_shadow_shipped_adapters():
     from importlib import resources
 
-    from m2r2.multirate.io import bundled_adapters
     from m2r2.decoding.mixture_of_depths import bundled_routers
+    from m2r2.multirate.io import bundled_adapters
 
     root = Path(str(resources.files("m2r2") / "adapters"))
     if not (root / "smollm2-135m-mod.json").is_file():

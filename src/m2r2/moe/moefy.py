@@ -26,10 +26,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import sys
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +38,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from m2r2.errors import InputError, SettingsError, UnsupportedModelError
+from m2r2.files import atomic_dir
 from m2r2.loading import (
     FINGERPRINT_FILE,
     _write_fingerprint,
@@ -337,20 +336,13 @@ def moefy(
             **(extra_config or {}),
         },
     )
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=".tmp-moefy-"))
-    try:
+    with atomic_dir(out_dir) as tmp:
         for f in src_dir.iterdir():  # tokenizer, chat template, generation config
             if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", FINGERPRINT_FILE):
                 shutil.copy(f, tmp / f.name)
         save_file({k: v.contiguous() for k, v in hf.items()}, tmp / "model.safetensors", metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2))
-        _write_fingerprint(tmp, source=f"moefy of {src_dir} ({loaded.fingerprint})")
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _write_fingerprint(tmp, source=f"moefy of {src_dir} ({loaded.fingerprint})", checksums=True)
     return stats
 
 
