@@ -43,8 +43,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_gen_args(p: argparse.ArgumentParser) -> None:
-    from m2r2.decoding import method_help
-    from m2r2.engine import AUTO_METHOD
+    from m2r2.decoding import AUTO_METHOD, DEFAULT_METHOD, method_help
 
     g = p.add_argument_group("generation")
     methods = {
@@ -54,7 +53,7 @@ def _add_gen_args(p: argparse.ArgumentParser) -> None:
     }
     g.add_argument(
         "--method",
-        default=AUTO_METHOD,
+        default=DEFAULT_METHOD,
         help="decoding method: " + "; ".join(f"{k}: {v}" for k, v in methods.items()),
     )
     g.add_argument("--max-new-tokens", type=int, default=256, help="token budget of the answer (default 256)")
@@ -144,7 +143,7 @@ def _read_stdin() -> str:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from m2r2.engine import AUTO_METHOD
+    from m2r2.decoding import AUTO_METHOD
     from m2r2.tokenizer import messages_for
 
     gen = _gen_config(args)

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from m2r2.decoding import build_strategy, check_options, method_names
+from m2r2.decoding import AUTO_METHOD, DEFAULT_METHOD, build_strategy, check_options, method_names
 from m2r2.decoding.base import GenerationConfig, GenerationResult, Strategy, StreamCallback, trim_stop_text
 from m2r2.errors import UnknownNameError
 from m2r2.loading import load_model, parse_dtype, resolve_model
@@ -26,10 +26,6 @@ from m2r2.tokenizer import ChatTokenizer, Message
 REFERENCE_DTYPE = "fp32"
 #: Default precision, chosen by measurement on the project's CPU (BENCHMARKS.md).
 DEFAULT_DTYPE = "bf16"
-#: Method name that picks for the model: ``m2r2`` where fast-stream adapters exist for it, else ``vanilla``.
-AUTO_METHOD = "auto"
-#: The one default of the CLI and the API (lossless either way).
-DEFAULT_METHOD = AUTO_METHOD
 
 
 @dataclass

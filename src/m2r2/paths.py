@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
+from typing import Any
+
+from m2r2.errors import InputError, SettingsError
 
 #: Distilled answers: written by ``m2r2 distill-data``, read by ``train``, ``train-mod``, ``draft-vocab``, ``moefy``.
 DEFAULT_ANSWERS = Path("runs/distill/answers.jsonl")
@@ -32,3 +36,23 @@ def shipped_conversations() -> Path | None:
     train = shared_data("train")
     path = train / "conversations.jsonl" if train else None
     return path if path is not None and path.is_file() else None
+
+
+def refuse_eval(path: Path) -> None:
+    """Never let eval prompts into training data (the eval directory is refused by name)."""
+    if "eval" in Path(path).resolve().parts:
+        raise SettingsError(f"{path} is an eval set; training data must come from the train split")
+
+
+def load_distilled(path: Path) -> list[dict[str, Any]]:
+    """Records written by :func:`distill` (skipping a half-written last line)."""
+    refuse_eval(path)
+    recs = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            recs.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    if not recs:
+        raise InputError(f"{path} holds no distilled answers; run `m2r2 distill-data` first")
+    return recs

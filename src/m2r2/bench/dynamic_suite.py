@@ -48,7 +48,8 @@ FULL_SWEEPS: dict[str, tuple[str, list[Any]]] = {
     "mod": ("threshold", [0.5, 0.8, 0.95]),  # shipped routers, 5 MT-Bench prompts: 29.3 / 24.0 / 15.2 layers
 }
 #: The default sweep (``--full`` runs :data:`FULL_SWEEPS`): the points of each curve that the full
-#: sweep showed to span its quality range, so the suite runs in minutes at ``--limit 3``.
+#: sweep showed to span its quality range, so the suite runs in minutes at ``--limit 3 --max-new-tokens
+#: 64`` on one dataset.
 SWEEPS: dict[str, tuple[str, list[Any]]] = {
     "m2r2-dynamic": ("threshold", [0.8, 0.6, 0.4, 0.2]),
     "static-exit": ("layer", [29]),
@@ -58,6 +59,8 @@ SWEEPS: dict[str, tuple[str, list[Any]]] = {
 }
 DATASETS = ("mt_bench", "koala", "self_instruct", "wizardlm")
 LEVELS = (0.95, 0.9, 0.8)
+#: Token budget of the untimed warm-up runs.
+WARMUP_TOKENS = 8
 REFERENCE = "vanilla"
 #: The method whose curve the issue asks to lie above every baseline's (``margins``).
 OURS = "m2r2-dynamic"
@@ -121,9 +124,10 @@ def run_dataset(
     data = load_dataset(name, limit)
     tok = engine.tokenizer
     prompts = [(p.id, tok.encode_chat([{"role": "user", "content": p.turns[0]}])) for p in data.prompts]
-    for cfg in cfgs:  # untimed warm-up
+    short = GenerationConfig(max_new_tokens=min(WARMUP_TOKENS, gen.max_new_tokens))
+    for cfg in cfgs:  # untimed warm-up: code paths and allocator, so a few tokens do
         for _, ids in prompts[:warmup]:
-            engine.generate_ids(ids, cfg[0], gen, **_options(cfg))
+            engine.generate_ids(ids, cfg[0], short, **_options(cfg))
     rows: list[dict[str, Any]] = []
     for pid, ids in tqdm(prompts, desc=f"dynamic {data.name} ({len(cfgs)} configs)", unit="prompt", file=sys.stderr):
         runs: dict[str, dict[str, Any]] = {}

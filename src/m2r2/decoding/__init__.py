@@ -1,23 +1,32 @@
 """Decoding strategies behind one interface (:class:`m2r2.decoding.base.Strategy`).
 
-Each method registers a factory ``f(engine, **options) -> Strategy``. The CLI, the engine and the
-benchmark harness only ever look methods up here, so adding a method is adding one entry.
+Each method registers a factory ``f(loaded, **options) -> Strategy``. The CLI, the engine and the
+benchmark harness only ever look methods up here, so adding a method is adding one entry. This
+module imports no torch: ``m2r2 --help`` lists the methods from their ``@register`` lines.
 """
 
 from __future__ import annotations
 
+import ast
+import importlib
 import inspect
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from m2r2.decoding.base import GenerationConfig, GenerationResult, Strategy
 from m2r2.errors import SettingsError
 
 if TYPE_CHECKING:
-    from m2r2.decoding.base import Loaded
+    from m2r2.decoding.base import Loaded, Strategy
 
-Factory = Callable[..., Strategy]
+Factory = Callable[..., "Strategy"]
 _REGISTRY: dict[str, tuple[Factory, str]] = {}
+#: Modules whose ``@register`` calls define the built-in methods (imported on first lookup).
+BUILTIN = ("autoregressive", "dynamic", "exits", "hf", "lookahead", "mixture_of_depths", "speculative")
+#: Method name that picks for the model: ``m2r2`` where fast-stream adapters exist for it, else ``vanilla``.
+AUTO_METHOD = "auto"
+#: The one default of the CLI and the API (lossless either way).
+DEFAULT_METHOD = AUTO_METHOD
 
 
 def register(name: str, help: str) -> Callable[[Factory], Factory]:
@@ -32,7 +41,35 @@ def register(name: str, help: str) -> Callable[[Factory], Factory]:
 
 def _load_builtin() -> None:
     # Imported for their @register side effects; kept lazy so `import m2r2` stays light.
-    from m2r2.decoding import autoregressive, dynamic, hf, lookahead, mixture_of_depths, speculative  # noqa: F401
+    for module in BUILTIN:
+        importlib.import_module(f"m2r2.decoding.{module}")
+
+
+def _declared_help(module: str) -> dict[str, str]:
+    """``{name: help}`` of the module-level ``@register(name, help)`` lines of ``module``, read from its
+    source (constants and f-strings over module constants), without importing it."""
+    tree = ast.parse((Path(__file__).parent / f"{module}.py").read_text(encoding="utf-8"))
+    consts = {
+        t.id: n.value.value
+        for n in tree.body
+        if isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant)
+        for t in n.targets
+        if isinstance(t, ast.Name)
+    }
+
+    def text(node: ast.expr) -> str:
+        if isinstance(node, ast.JoinedStr):
+            return "".join(text(v.value if isinstance(v, ast.FormattedValue) else v) for v in node.values)
+        if isinstance(node, ast.Name):
+            return str(consts[node.id])
+        return str(ast.literal_eval(node))
+
+    out = {}
+    for fn in tree.body:
+        for d in getattr(fn, "decorator_list", []):
+            if isinstance(d, ast.Call) and getattr(d.func, "id", None) == "register" and len(d.args) == 2:
+                out[text(d.args[0])] = text(d.args[1])
+    return out
 
 
 def method_names() -> list[str]:
@@ -41,8 +78,9 @@ def method_names() -> list[str]:
 
 
 def method_help() -> dict[str, str]:
-    _load_builtin()
-    return {k: v[1] for k, v in _REGISTRY.items()}
+    """Name -> help of every built-in method (from the sources: no torch), then any registered since."""
+    declared = {k: v for m in BUILTIN for k, v in _declared_help(m).items()}
+    return declared | {k: v[1] for k, v in _REGISTRY.items()}
 
 
 def method_options(name: str) -> list[str]:
@@ -116,9 +154,8 @@ def build_strategy(name: str, engine: Loaded, **options: Any) -> Strategy:
 
 
 __all__ = [
-    "GenerationConfig",
-    "GenerationResult",
-    "Strategy",
+    "AUTO_METHOD",
+    "DEFAULT_METHOD",
     "build_strategy",
     "check_options",
     "method_names",

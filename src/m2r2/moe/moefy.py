@@ -236,7 +236,7 @@ def calibration_data(data: Path, fallback: tuple[Path | None, ...] | None = None
 def read_sequences(data: Path, limit: int, max_len: int, model_dir: Path | None = None) -> list[list[int]]:
     """Token ids of the first ``limit`` records: distilled answers (prompt + answer ids), or chat
     conversations (``{"messages": [...]}``, tokenized with ``model_dir``'s chat template)."""
-    from m2r2.training.distill import load_distilled
+    from m2r2.paths import load_distilled
 
     with open(data, encoding="utf-8") as f:
         rows = [json.loads(line) for line, _ in zip(filter(str.strip, f), range(limit), strict=False)]
