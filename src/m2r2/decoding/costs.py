@@ -28,6 +28,12 @@ if TYPE_CHECKING:
     from m2r2.multirate.fast import FastStream
 
 
+def expected_tokens(accept: float, drafts: int) -> float:
+    """Tokens one round emits on average when each of ``drafts`` drafts is accepted with i.i.d.
+    probability ``accept`` (Leviathan et al.): the accepted prefix plus the verifier's own token."""
+    return (1 - accept ** (drafts + 1)) / (1 - accept) if accept < 1 else drafts + 1.0
+
+
 @dataclass
 class CostModel:
     """Measured seconds of one draft step and of verify passes over 1..k tokens."""
@@ -40,7 +46,7 @@ class CostModel:
         a = min(max(accept, 0.0), 0.99)
         best, best_rate = 0, 1.0 / self.verify[0]
         for g in range(1, min(cap, len(self.verify) - 1) + 1):
-            rate = ((1 - a ** (g + 1)) / (1 - a)) / (g * self.draft + self.verify[g])
+            rate = expected_tokens(a, g) / (g * self.draft + self.verify[g])
             if rate > best_rate:
                 best, best_rate = g, rate
         return best
