@@ -218,7 +218,7 @@ def test_shipped_adapters_load_by_default_on_bundled_model():
 
 @pytest.mark.parametrize("kernel", ["plain", "mkldnn", "q4"])
 def test_merged_fast_layers_match_low_rank_deltas_and_leave_base_alone(kernel):
-    from m2r2.model import mkldnn_usable, q4_usable, use_kernels
+    from m2r2.kernels import mkldnn_usable, q4_usable, use_kernels
 
     torch.manual_seed(8)  # widths that fit every kernel (q4 wants multiples of 32)
     cfg = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=6, num_heads=4, num_kv_heads=2)

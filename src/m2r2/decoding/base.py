@@ -20,11 +20,27 @@ from torch import Tensor
 from m2r2.errors import InputError, SettingsError
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from m2r2.cache import KVCache
     from m2r2.model import Transformer
+    from m2r2.tokenizer import ChatTokenizer
 
 #: Called with the token ids accepted since the last call (one or several at a time).
 StreamCallback = Callable[[list[int]], None]
+
+
+class Loaded(Protocol):
+    """What a strategy is built from: a loaded model and what comes with it. The engine is one;
+    strategies need no more than this, so they never import the engine."""
+
+    model: Transformer
+    tokenizer: ChatTokenizer
+    fingerprint: str  # of the base weights: adapters and routers are bound to it
+    model_dir: Path
+    dtype_name: str
+    kernel: str
+    device: str
 
 
 @dataclass

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -37,12 +36,15 @@ from m2r2.decoding.base import (
     begin,
     warp_probs,
 )
+from m2r2.decoding.costs import cached_costs, cost_cache_path
 from m2r2.errors import SettingsError
+from m2r2.kernels import head_argmax
 from m2r2.model import ROW_INVARIANT_MAX_ROWS, Transformer
 from m2r2.multirate.seeded import SeededFastStream
 
 if TYPE_CHECKING:
     from m2r2.cache import KVCache
+    from m2r2.decoding.base import Loaded
 
 
 @dataclass
@@ -209,7 +211,7 @@ class TreeSpeculative:
                 vis = tree.ancestors(rows)
                 mask = torch.cat([torch.ones(n_rows, verified, dtype=torch.bool), vis], dim=1).to(model.device)
                 h = model.run_layers(model.embed_tokens(ids), cache, verified, positions=positions, mask=mask)
-            out = model.head_argmax(h)[0] if gen.greedy else model.head(h)[0]
+            out = head_argmax(model, h)[0] if gen.greedy else model.head(h)[0]
             passes += 1
             path, nxt = self._accept(tree, rows, out, gen, sampler)
             drafted += n_rows - 1
@@ -344,64 +346,37 @@ def measure_tree_costs(model: Transformer, fast: SeededFastStream, k_max: int, r
     return TreeCosts(draft=best[:4], verify=best[4:])
 
 
-#: Cached cost measurements older than this are measured again (machine load drifts).
-COST_CACHE_MAX_AGE_S = 24 * 3600
-
-
-def cached_tree_costs(key: dict[str, object], measure: Callable[[], TreeCosts]) -> TreeCosts:
-    """Costs kept in ``$M2R2_CACHE/costs/tree-<hash>.json`` for a day (written atomically), else measured.
-
-    The key holds what timings depend on (hardware, threads, versions, model, kernel, fast-stream shape).
-    """
-    import hashlib
-    import json
-    import os
-    from dataclasses import asdict
-
-    from m2r2.loading import cache_root
-
-    name = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:24]
-    path = cache_root() / "costs" / f"tree-{name}.json"
-    try:
-        if time.time() - path.stat().st_mtime < COST_CACHE_MAX_AGE_S:
-            raw = json.loads(path.read_text())
-            costs = TreeCosts([float(x) for x in raw["draft"]], [float(x) for x in raw["verify"]])
-            if costs.draft and costs.verify and min(costs.draft + costs.verify) > 0:
-                return costs
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    costs = measure()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(asdict(costs)))
-        os.replace(tmp, path)
-    except OSError:
-        pass
+def _tree_costs(raw: dict[str, object]) -> TreeCosts:
+    costs = TreeCosts([float(x) for x in raw["draft"]], [float(x) for x in raw["verify"]])  # type: ignore[union-attr]
+    if not (costs.draft and costs.verify and min(costs.draft + costs.verify) > 0):
+        raise ValueError("non-positive cost")
     return costs
 
 
 def build_tree_speculative(
     name: str,
-    model: Transformer,
+    engine: Loaded,
     fast: SeededFastStream,
-    eos_ids: list[int],
-    decode: object,
-    cost_key: dict[str, object] | None,
+    adaptive: bool = True,
+    cost_cache: bool = True,
     max_nodes: int = 8,
     max_depth: int = 5,
     width: int = 2,
     branch: int = 2,
 ) -> TreeSpeculative:
-    """A :class:`TreeSpeculative` with folded fast layers and measured costs (cached when ``cost_key``)."""
+    """A :class:`TreeSpeculative` with folded fast layers and measured costs (``adaptive``; kept per
+    machine and drafter shape in ``$M2R2_CACHE/costs`` for a day when ``cost_cache``)."""
+    model = engine.model
     fast.to(model.device).freeze(merge=True)
     costs = None
-    if cost_key is not None:
-        key = {
-            **cost_key,
-            "fast": fast.cfg.to_dict(),
-            "vocab": 0 if fast.draft_vocab is None else len(fast.draft_vocab),
-            "k_max": max_nodes,
-        }
-        costs = cached_tree_costs(key, lambda: measure_tree_costs(model, fast, max_nodes))
-    return TreeSpeculative(name, model, fast, eos_ids, decode, max_nodes, max_depth, width, branch, costs)
+    if adaptive:
+
+        def measure() -> TreeCosts:
+            return measure_tree_costs(model, fast, max_nodes)
+
+        path = cost_cache_path(engine, fast, max_nodes).with_name(
+            f"tree-{cost_cache_path(engine, fast, max_nodes).name}"
+        )
+        costs = cached_costs(path, measure, _tree_costs) if cost_cache else measure()
+    tok = engine.tokenizer
+    return TreeSpeculative(name, model, fast, tok.eos_ids, tok.decode, max_nodes, max_depth, width, branch, costs)
