@@ -248,6 +248,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from m2r2.serve.app import build, model_id, serve
+
+    engine = _engine(args)
+    name = model_id(args.model, engine.model_dir)
+    app = build(engine, name, args.method, args.max_batch, args.max_queue, args.api_key)
+    method = app.state.scheduler.method
+    url = f"http://{args.host}:{args.port}/v1"
+    print(f"m2r2 serve: {name} ({method}, batch {args.max_batch}) at {url}", file=sys.stderr)
+    serve(app, args.host, args.port)
+    return 0
+
+
 def cmd_distill_data(args: argparse.Namespace) -> int:
     from m2r2.training.distill import DistillSettings, distill
 
@@ -511,6 +524,28 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--adapters", default=None, help="fast-stream adapters for the m2r2 policy (default: by model)")
     _add_model_args(b)
     b.set_defaults(func=cmd_bench)
+
+    sv = sub.add_parser(
+        "serve",
+        help="an OpenAI-compatible HTTP server (chat/completions, streaming, continuous batching)",
+        description="Serves POST /v1/chat/completions, POST /v1/completions, GET /v1/models and GET /health. "
+        "Concurrent requests decode together in one batch; a lone request decodes with --method (m2r2 "
+        "speculation by default for the bundled model).",
+    )
+    sv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    sv.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    sv.add_argument(
+        "--api-key", default=os.environ.get("M2R2_API_KEY"), help="require this bearer key (env M2R2_API_KEY)"
+    )
+    sv.add_argument("--max-batch", type=int, default=8, help="requests decoded together (default 8)")
+    sv.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429 (default 64)")
+    sv.add_argument(
+        "--method",
+        default="auto",
+        help="auto (default: m2r2 where adapters ship for the model, else vanilla), vanilla, m2r2 or early-exit-spec",
+    )
+    _add_model_args(sv)
+    sv.set_defaults(func=cmd_serve)
 
     d = sub.add_parser(
         "distill-data",
