@@ -180,13 +180,17 @@ def create_app(engine: Engine, scheduler: Scheduler, name: str, api_key: str | N
             )
         try:
             tokens: list[int] = []
+            checked = loop.time()
             while True:
                 try:
-                    u = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
+                    u: Update | None = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
                 except TimeoutError:
+                    u = None
+                if loop.time() - checked >= DISCONNECT_POLL_S:  # tokens may flow without pause: check by time
+                    checked = loop.time()
                     if await request.is_disconnected():
-                        scheduler.cancel(job)
-                        return Response(status_code=499)
+                        return Response(status_code=499)  # nobody reads it; `finally` cancels the job
+                if u is None:
                     continue
                 if u.error is not None:
                     raise _as_api_error(u.error)

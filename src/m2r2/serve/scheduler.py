@@ -138,7 +138,14 @@ class Scheduler:
         self.active: list[Job] = []
         self.cond = threading.Condition()
         self.stopping = False
-        self.counts = {"completed": 0, "cancelled": 0, "failed": 0, "batched_steps": 0, "speculative_rounds": 0}
+        self.counts = {
+            "completed": 0,
+            "cancelled": 0,
+            "failed": 0,
+            "batched_steps": 0,
+            "speculative_rounds": 0,
+            "peak_batch": 0,
+        }
         self.recent_seconds: deque[float] = deque(maxlen=32)  # request durations, for Retry-After
         self.thread = threading.Thread(target=self._run, name="m2r2-scheduler", daemon=True)
         self.thread.start()
@@ -199,11 +206,12 @@ class Scheduler:
                             self.counts["cancelled"] += 1
                         else:
                             admit.append(job)
+                    self.active += admit  # counted as active (for admission) while they prefill
                     alone = not self.waiting
                 for job in admit:
                     self._guard([job], self._start)
                 with self.cond:
-                    self.active = [j for j in self.active + admit if self._keep(j)]
+                    self.active = [j for j in self.active if self._keep(j)]
                     jobs = list(self.active)
                 if not jobs:
                     continue
@@ -281,6 +289,7 @@ class Scheduler:
                 if not (job.gen.greedy and safe[b]):
                     logits[b] = model.head(hidden[b : b + 1])[0, 0]
         self.counts["batched_steps"] += 1
+        self.counts["peak_batch"] = max(self.counts["peak_batch"], len(jobs))
         for b, job in enumerate(jobs):
             job.batched_steps += 1
             assert job.sampler is not None
