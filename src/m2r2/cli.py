@@ -225,6 +225,8 @@ def _fraction(text: str) -> float:
 def cmd_bench(args: argparse.Namespace) -> int:
     from m2r2.bench.harness import BenchSettings, run_bench
 
+    if args.suite == "serve":
+        return _bench_serve(args)
     settings = BenchSettings(
         dataset=args.dataset,
         methods=[m.strip() for m in args.methods.split(",") if m.strip()],
@@ -258,6 +260,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     url = f"http://{args.host}:{args.port}/v1"
     print(f"m2r2 serve: {name} ({method}, batch {args.max_batch}) at {url}", file=sys.stderr)
     serve(app, args.host, args.port)
+    return 0
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    from m2r2.serve.loadgen import run_serve_suite, run_soak
+
+    engine = _engine(args)
+    streams = [int(s) for s in _csv(args.streams) or []] or None
+    if args.soak_minutes:
+        result = run_soak(engine, Path(args.out), args.soak_minutes, max(streams or [8]), method=args.serve_method)
+        print(json.dumps(result, indent=2))
+        return 0 if result["ok"] else 1
+    limit = args.limit or 16
+    results = run_serve_suite(engine, Path(args.out), streams, limit, args.max_new_tokens, method=args.serve_method)
+    print(results["markdown"])
     return 0
 
 
@@ -505,7 +522,8 @@ def build_parser() -> argparse.ArgumentParser:
         "Self-Instruct, WizardLM x (vanilla, m2r2, early-exit-spec, lookahead, hf, hf-pld, hf-early-exit); "
         "'dynamic' = quality-vs-speedup sweeps of the lossy early-exit methods on the same four datasets; "
         "'moe' = expert offloading policies (on-demand, next-gate, m2r2, oracle) on an MoE model "
-        "(default: the MoEfied bundled model) over --bandwidths x --cache-fractions on --dataset",
+        "(default: the MoEfied bundled model) over --bandwidths x --cache-fractions on --dataset; 'serve' = "
+        "aggregate tokens/s, TTFT and inter-token latency of `m2r2 serve` at 1, 2, 4, 8 concurrent streams",
     )
     b.add_argument("--methods", default="vanilla,hf,hf-pld", help="comma-separated methods; the first is the baseline")
     b.add_argument("--limit", type=int, default=10, help="number of prompts (default 10; 0 = all)")
@@ -522,6 +540,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cache-fractions", default=None, help="cache sizes as fractions of all experts (0.25,0.5,0.75)")
     g.add_argument("--policies", default=None, help="prefetch policies (default on-demand,next-gate,m2r2,oracle)")
     g.add_argument("--adapters", default=None, help="fast-stream adapters for the m2r2 policy (default: by model)")
+    g = b.add_argument_group("--suite serve (loopback load on `m2r2 serve`; --limit = requests per level)")
+    g.add_argument("--streams", default=None, help="concurrent streams per level, comma-separated (default 1,2,4,8)")
+    g.add_argument("--serve-method", default="auto", help="the server's --method (default auto)")
+    g.add_argument(
+        "--soak-minutes",
+        type=float,
+        default=0,
+        help="instead of the levels: a soak of mixed traffic (streamed, whole, sampled, disconnecting, malformed) "
+        "at the largest --streams for this long; writes soak.json, exits 1 on any lost answer or RSS growth",
+    )
     _add_model_args(b)
     b.set_defaults(func=cmd_bench)
 
