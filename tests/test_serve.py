@@ -314,3 +314,29 @@ def test_bundled_model_m2r2_alone_and_batched_together_is_lossless(real_engine_b
     for p, a in zip(prompts, answers, strict=True):
         ids = eng.tokenizer.encode_chat([{"role": "user", "content": p}])
         assert a.choices[0].message.content == solo(eng, ids, 20) == solo(eng, ids, 20, "m2r2")
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def test_cli_serve_refuses_methods_it_cannot_batch(capsys, tiny_model):
+    from m2r2.cli import main
+
+    rc = main(["serve", "--model", str(tiny_model(seed=3)), "--method", "lookahead", "--port", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "vanilla or a self-speculative method" in err[0]
+
+
+def test_cli_bench_suite_serve_writes_the_results_schema(capsys, tiny_model, tmp_path):
+    from m2r2.cli import main
+
+    model = tiny_model(seed=3, max_position_embeddings=1024)  # the builtin prompts need > 256 tiny tokens
+    argv = ["bench", "--suite", "serve", "--model", str(model), "--streams", "1,2", "--limit", "2"]
+    assert main([*argv, "--max-new-tokens", "4", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "results.json").read_text())
+    for s in ("1", "2"):
+        v = res["serve"][s]
+        assert v["tokens_per_s"] > 0 and v["ttft_p50_s"] > 0 and v["errors"] == 0 and v["complete"] == 1.0
+        assert v["identical"] == 1.0 and "itl_p95_s" in v
+    assert (tmp_path / "results.md").is_file() and (tmp_path / "serve.png").is_file()
+    assert "| 2 |" in capsys.readouterr().out
