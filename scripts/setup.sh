@@ -18,7 +18,7 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     echo "m2r2 setup: installing $TORCH_SPEC" >&2
     pip_q "$TORCH_SPEC"
 fi
-if ! .venv/bin/python -c "import m2r2, pytest, ruff, rouge_score" 2>/dev/null \
+if ! .venv/bin/python -c "import m2r2, pytest, ruff, rouge_score, fastapi, uvicorn, openai" 2>/dev/null \
     || [ pyproject.toml -nt .venv/.m2r2-installed ]; then
     echo "m2r2 setup: installing m2r2 and its dependencies" >&2
     pip_q -e ".[dev,quality]"

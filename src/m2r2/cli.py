@@ -253,6 +253,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from m2r2.bench.harness import run_bench
     from m2r2.bench.results import BenchSettings, check_out_dir
 
+    if args.suite == "serve":
+        return _bench_serve(args)
     settings = BenchSettings(
         dataset=args.dataset,
         methods=[m.strip() for m in args.methods.split(",") if m.strip()],
@@ -276,6 +278,34 @@ def cmd_bench(args: argparse.Namespace) -> int:
     engine = _engine(args)
     results = run_bench(engine, settings)
     print(results["markdown"] if "markdown" in results else json.dumps(results, indent=2))
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from m2r2.serve.app import build, model_id, serve
+
+    engine = _engine(args)
+    name = model_id(args.model, engine.model_dir)
+    app = build(engine, name, args.method, args.max_batch, args.max_queue, args.api_key)
+    method = app.state.scheduler.method
+    url = f"http://{args.host}:{args.port}/v1"
+    print(f"m2r2 serve: {name} ({method}, batch {args.max_batch}) at {url}", file=sys.stderr)
+    serve(app, args.host, args.port)
+    return 0
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    from m2r2.serve.loadgen import run_serve_suite, run_soak
+
+    engine = _engine(args)
+    streams = [int(s) for s in _csv(args.streams) or []] or None
+    if args.soak_minutes:
+        result = run_soak(engine, Path(args.out), args.soak_minutes, max(streams or [8]), method=args.serve_method)
+        print(json.dumps(result, indent=2))
+        return 0 if result["ok"] else 1
+    limit = args.limit or 16
+    results = run_serve_suite(engine, Path(args.out), streams, limit, args.max_new_tokens, method=args.serve_method)
+    print(results["markdown"])
     return 0
 
 
@@ -503,7 +533,8 @@ def build_parser() -> argparse.ArgumentParser:
         "Self-Instruct, WizardLM x (vanilla, m2r2, early-exit-spec, lookahead, hf, hf-pld, hf-early-exit); "
         "'dynamic' = quality-vs-speedup sweeps of the lossy early-exit methods on the same four datasets; "
         "'moe' = expert offloading policies (on-demand, next-gate, m2r2, oracle) on an MoE model "
-        "(default: the MoEfied bundled model) over --bandwidths x --cache-fractions on --dataset",
+        "(default: the MoEfied bundled model) over --bandwidths x --cache-fractions on --dataset; 'serve' = "
+        "aggregate tokens/s, TTFT and inter-token latency of `m2r2 serve` at 1, 2, 4, 8 concurrent streams",
     )
     b.add_argument("--methods", default="vanilla,hf,hf-pld", help="comma-separated methods; the first is the baseline")
     b.add_argument("--limit", type=int, default=10, help="number of prompts (default 10; 0 = all)")
@@ -520,8 +551,40 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cache-fractions", default=None, help="cache sizes as fractions of all experts (0.25,0.5,0.75)")
     g.add_argument("--policies", default=None, help="prefetch policies (default on-demand,next-gate,m2r2,oracle)")
     g.add_argument("--adapters", default=None, help="fast-stream adapters for the m2r2 policy (default: by model)")
+    g = b.add_argument_group("--suite serve (loopback load on `m2r2 serve`; --limit = requests per level)")
+    g.add_argument("--streams", default=None, help="concurrent streams per level, comma-separated (default 1,2,4,8)")
+    g.add_argument("--serve-method", default="auto", help="the server's --method (default auto)")
+    g.add_argument(
+        "--soak-minutes",
+        type=float,
+        default=0,
+        help="instead of the levels: a soak of mixed traffic (streamed, whole, sampled, disconnecting, malformed) "
+        "at the largest --streams for this long; writes soak.json, exits 1 on any lost answer or RSS growth",
+    )
     _add_model_args(b)
     b.set_defaults(func=cmd_bench)
+
+    sv = sub.add_parser(
+        "serve",
+        help="an OpenAI-compatible HTTP server (chat/completions, streaming, continuous batching)",
+        description="Serves POST /v1/chat/completions, POST /v1/completions, GET /v1/models and GET /health. "
+        "Concurrent requests decode together in one batch; a lone request decodes with --method (m2r2 "
+        "speculation by default for the bundled model).",
+    )
+    sv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    sv.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    sv.add_argument(
+        "--api-key", default=os.environ.get("M2R2_API_KEY"), help="require this bearer key (env M2R2_API_KEY)"
+    )
+    sv.add_argument("--max-batch", type=int, default=8, help="requests decoded together (default 8)")
+    sv.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429 (default 64)")
+    sv.add_argument(
+        "--method",
+        default="auto",
+        help="auto (default: m2r2 where adapters ship for the model, else vanilla), vanilla, m2r2 or early-exit-spec",
+    )
+    _add_model_args(sv)
+    sv.set_defaults(func=cmd_serve)
 
     d = sub.add_parser(
         "distill-data",

@@ -345,6 +345,23 @@ class Block(nn.Module):
         a = x + self.attn.out(attend(q, keys, values, mask))
         return a + self.mlp(self.mlp_norm(a), resid=a)
 
+    def step_rows(
+        self, x: Tensor, cos: Tensor, sin: Tensor, caches: list[KVCache], layer: int, masks: list[Tensor]
+    ) -> Tensor:
+        """One decoding step of ``len(caches)`` sequences (``x``: ``[B, 1, d]``, row b for ``caches[b]``).
+
+        Projections and the MLP see all rows at once; attention runs per sequence over its own
+        cache exactly as :meth:`forward` runs it for one, so each row gets a lone step's bits.
+        """
+        q, k, v = self.attn.qkv(self.attn_norm(x), cos, sin)
+        outs = []
+        for b, (cache, mask) in enumerate(zip(caches, masks, strict=True)):
+            cache.write(layer, cache.length, k[b : b + 1], v[b : b + 1])
+            keys, values = cache.view(layer, mask.shape[-1])
+            outs.append(attend(q[b : b + 1], keys, values, mask))
+        a = x + self.attn.out(torch.cat(outs))
+        return a + self.mlp(self.mlp_norm(a), resid=a)
+
 
 class Transformer(nn.Module):
     """Embedding, ``num_layers`` blocks, final norm and LM head (tied or untied)."""
@@ -455,6 +472,26 @@ class Transformer(nn.Module):
                 hidden.append(x)
         if stop is None or stop >= len(self.layers):
             cache.length = pos + t
+        return x
+
+    def step_rows(self, tokens: list[int], caches: list[KVCache]) -> Tensor:
+        """Last hidden states ``[B, 1, d]`` (before :meth:`head`) of one new token per sequence, each
+        appended to its own cache.
+
+        Continuous batching: sequences of different lengths and capacities decode together. The
+        layers' kernels are row-invariant and attention runs per cache (:meth:`Block.step_rows`), so
+        row b is bit-identical to the hidden state of ``self(tokens[b:b+1], caches[b])`` alone. The
+        head is left to the caller: oneDNN's bf16 head gives one row other bits than several rows.
+        """
+        x = self.embed_tokens(torch.tensor(tokens, device=self.device)[:, None])
+        ropes = [self.rope(c.length, 1, x.dtype) for c in caches]
+        cos = torch.stack([c for c, _ in ropes])[:, None]  # [B, 1, 1, D]: each row at its own position
+        sin = torch.stack([s for _, s in ropes])[:, None]
+        masks = [self.causal_mask(c.length, 1, c.max_len) for c in caches]
+        for i, layer in enumerate(self.layers):
+            x = layer.step_rows(x, cos, sin, caches, i, masks)
+        for c in caches:
+            c.length += 1
         return x
 
     def head(self, h: Tensor) -> Tensor:

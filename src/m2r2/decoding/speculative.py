@@ -32,6 +32,7 @@ from m2r2.decoding.base import (
     GenerationConfig,
     GenerationResult,
     Sampler,
+    Stopper,
     StreamCallback,
     begin,
     warp_probs,
@@ -111,24 +112,12 @@ class SelfSpeculative:
                 stream(emitted[:kept])
             if stopper.done:
                 break
-            verified = cache.length
-            room = min(stopper.budget - len(stopper.tokens) - 1, cache.max_len - verified - 1)
-            cap = min(self.max_draft, room)
-            if self.costs is not None:
-                cap = self.costs.best_length(accept_rate, cap)
-            drafts, qs = self._draft(drafter, tok, verified, cap, gen, sampler)
-            draft_steps += len(drafts)
-            block = torch.tensor([[tok, *drafts]], device=model.device)
-            verify = model(block, cache, verified)[0]  # [g+1, V]
+            emitted, n, g, accept_rate = self.round(drafter, cache, tok, stopper, accept_rate, gen, sampler)
+            draft_steps += g
             passes += 1
-            n, nxt = self._accept(drafts, qs, verify, gen, sampler)
-            drafted += len(drafts)
+            drafted += g
             accepted += n
-            if drafts:  # running per-draft acceptance, for the next round's draft length
-                accept_rate = 0.8 * accept_rate + 0.2 * (n / len(drafts))
-            cache.truncate(verified + 1 + n)
-            emitted = [*drafts[:n], nxt]
-            tok = nxt
+            tok = emitted[-1]
         ntok = max(len(stopper.tokens), 1)
         n_layers = model.cfg.num_layers
         return GenerationResult(
@@ -154,6 +143,36 @@ class SelfSpeculative:
                 ),
             },
         )
+
+    def round(
+        self,
+        drafter: Drafter,
+        cache: KVCache,
+        tok: int,
+        stopper: Stopper,
+        accept_rate: float,
+        gen: GenerationConfig,
+        sampler: Sampler,
+    ) -> tuple[list[int], int, int, float]:
+        """One draft-and-verify round after ``tok`` (the newest token, not yet in ``cache``).
+
+        Returns the emitted tokens (accepted drafts, then the slow model's next token, which is
+        again not in the cache), the number of drafts accepted and drafted, and the updated
+        running acceptance rate. A round is also the unit the server interleaves with batched steps.
+        """
+        verified = cache.length
+        room = min(stopper.budget - len(stopper.tokens) - 1, cache.max_len - verified - 1)
+        cap = min(self.max_draft, room)
+        if self.costs is not None:
+            cap = self.costs.best_length(accept_rate, cap)
+        drafts, qs = self._draft(drafter, tok, verified, cap, gen, sampler)
+        block = torch.tensor([[tok, *drafts]], device=self.model.device)
+        verify = self.model(block, cache, verified)[0]  # [g+1, V]
+        n, nxt = self._accept(drafts, qs, verify, gen, sampler)
+        if drafts:  # running per-draft acceptance, for the next round's draft length
+            accept_rate = 0.8 * accept_rate + 0.2 * (n / len(drafts))
+        cache.truncate(verified + 1 + n)
+        return [*drafts[:n], nxt], n, len(drafts), accept_rate
 
     def _draft(
         self, drafter: Drafter, tok: int, verified: int, cap: int, gen: GenerationConfig, sampler: Sampler

@@ -1,0 +1,342 @@
+"""``m2r2 serve``: the real ``openai`` client and plain HTTP against a server on a free loopback port.
+
+Batched decoding must be lossless: every request served among others gets exactly the tokens
+``Engine.generate`` gives it alone, on tiny random models and on the bundled model (whose lone
+requests decode with m2r2 speculation and whose concurrent ones share batched steps).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import torch
+
+from m2r2.decoding.base import GenerationConfig
+from m2r2.engine import Engine
+from m2r2.serve.app import background, build, create_app
+from m2r2.serve.protocol import TextStream
+from m2r2.serve.scheduler import Scheduler, greedy_safe
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_model) -> Engine:
+    return Engine(str(tiny_model(seed=3)), quiet=True)  # bf16, default kernels (q4 layers, oneDNN head)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_engine):
+    with background(build(tiny_engine, MODEL, "vanilla", max_batch=4, max_queue=8)) as url:
+        yield url
+
+
+def client(url: str, key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def wait_idle(url: str, timeout: float = 20.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        h = httpx.get(url + "/health").json()
+        if (h["active"] == 0 and h["waiting"] == 0) or time.monotonic() > deadline:
+            return h
+        time.sleep(0.05)
+
+
+def long_prompt(engine: Engine, n: int) -> list[int]:
+    """Token ids whose greedy answer runs the whole budget ``n`` (no early EOS), to hold a slot."""
+    for seed in range(20):
+        ids = torch.randint(3, 300, (6,), generator=torch.Generator().manual_seed(seed)).tolist()
+        if engine.generate_ids(ids, "vanilla", GenerationConfig(max_new_tokens=n)).stop_reason == "max_new_tokens":
+            return ids
+    pytest.skip("no prompt found whose answer runs the whole budget")
+
+
+def solo(engine: Engine, ids: list[int], max_tokens: int, method: str = "vanilla", **gen) -> str:
+    r = engine.generate_ids(ids, method, GenerationConfig(max_new_tokens=max_tokens, **gen))
+    return engine.tokenizer.decode(r.tokens)
+
+
+# --------------------------------------------------------------------------- the model's batched step
+
+
+@pytest.mark.parametrize("kernel", ["plain", "mkldnn", "q4"])
+def test_step_rows_gives_each_sequence_its_lone_step_bits(kernel):
+    """Sequences of different lengths and cache capacities in one step: each row = a lone step, K/V too."""
+    from m2r2.kernels import mkldnn_usable, q4_usable, use_kernels
+    from test_speculative import tiny_model as random_model
+
+    model = random_model(4, dtype=torch.bfloat16)
+    if (kernel == "mkldnn" and not mkldnn_usable(model)) or (kernel == "q4" and not q4_usable(model)):
+        pytest.skip(f"{kernel} kernels unavailable here")
+    use_kernels(model, kernel)
+    g = torch.Generator().manual_seed(0)
+    lens, caps = [5, 17, 40], [40, 30, 90]
+    with torch.inference_mode():
+        batch, alone = [], []
+        for n, cap in zip(lens, caps, strict=True):
+            prompt = torch.randint(0, 64, (1, n), generator=g)
+            for caches in (batch, alone):
+                caches.append(model.new_cache(n + cap))
+                model(prompt, caches[-1], 0)
+        toks = [3, 9, 27]
+        for _ in range(4):
+            hidden = model.step_rows(toks, batch)
+            for b, cache in enumerate(alone):
+                h = model.run_layers(model.embed_tokens(torch.tensor([[toks[b]]])), cache, cache.length)
+                assert torch.equal(hidden[b], h[0])
+            toks = [int(model.head(hidden[b : b + 1])[0, 0].argmax()) for b in range(3)]
+        for a, b in zip(batch, alone, strict=True):
+            assert a.length == b.length and torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+
+
+def test_greedy_safe_flags_only_clear_leaders():
+    logits = torch.tensor([[10.0, 9.0, 0.0], [10.0, 10.0 - 2**-7, 0.0], [-3.0, -3.0, -5.0]])
+    assert greedy_safe(logits, torch.bfloat16).tolist() == [True, False, False]
+    assert greedy_safe(logits, torch.float32).tolist() == [True, True, False]
+
+
+def test_text_stream_never_sends_past_a_stop_string():
+    text = "abc STOP def"
+    ts = TextStream(lambda ids: text[: len(ids)], ["STOP"])
+    sent = "".join(ts.feed([0]) for _ in range(len(text)))
+    assert "S" not in sent and sent == "abc "[: len(sent)]
+    ts.feed([], final=True)
+    assert ts.text == "abc "
+
+
+# --------------------------------------------------------------------------- API on a tiny model
+
+
+def test_chat_and_completions_streamed_and_not(server, tiny_engine):
+    c = client(server)
+    assert [m.id for m in c.models.list().data] == [MODEL]
+    msgs = [{"role": "user", "content": "hello there, one two three"}]
+    r = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12)
+    ids = tiny_engine.tokenizer.encode_chat(msgs)
+    assert r.choices[0].message.content == solo(tiny_engine, ids, 12)
+    assert r.usage.prompt_tokens == len(ids) and 1 <= r.usage.completion_tokens <= 12
+    assert r.model_extra["m2r2"]["method"] == "vanilla"
+
+    chunks = list(
+        c.chat.completions.create(
+            model=MODEL, messages=msgs, max_tokens=12, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == r.choices[0].message.content
+    assert chunks[-2].choices[0].finish_reason == r.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+
+    p = c.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=10)
+    ref = solo(tiny_engine, tiny_engine.tokenizer.encode("The quick brown fox"), 10)
+    assert p.choices[0].text == ref
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+        model=MODEL, prompt="The quick brown fox", max_tokens=10, stream=True))  # fmt: skip
+    assert streamed == ref
+
+
+def test_concurrent_requests_are_batched_and_bit_identical(server, tiny_engine):
+    """Greedy and seeded sampling, different prompt lengths and budgets, all at once."""
+    c = client(server)
+    g = torch.Generator().manual_seed(1)
+    jobs = []
+    for i in range(6):
+        ids = torch.randint(3, 300, (4 + 7 * i,), generator=g).tolist()
+        gen = {"temperature": 0.8, "seed": i} if i % 3 == 2 else {}
+        jobs.append((ids, 8 + 3 * i, gen))
+
+    def ask(job):
+        ids, n, gen = job
+        return c.completions.create(model=MODEL, prompt=ids, max_tokens=n, **gen).choices[0].text
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        got = list(pool.map(ask, jobs))
+    for (ids, n, gen), text in zip(jobs, got, strict=True):
+        assert text == solo(tiny_engine, ids, n, **gen)
+    assert wait_idle(server)["peak_batch"] >= 2
+
+
+def _post(url: str, path: str, body, headers=None) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(url + path, content=content, headers={"content-type": "application/json", **(headers or {})})
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param", "needle"),
+    [
+        ("/v1/chat/completions", b"{not json", 400, None, "not valid JSON"),
+        ("/v1/chat/completions", [1, 2], 400, None, "JSON object"),
+        ("/v1/chat/completions", {"model": MODEL}, 400, "messages", "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, 400, "model", "model"),
+        ("/v1/chat/completions", {"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, 404, "model",
+         "does not exist"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "robot", "content": "hi"}]}, 400,
+         "messages[0].role", "role"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": -1},
+         400, "temperature", "temperature"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400,
+         "top_p", "top_p"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0},
+         400, "max_tokens", "max_tokens"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n",
+         "n must be 1"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop": ["a"] * 5},
+         400, "stop", "stop"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": "yes"},
+         400, "stream", "stream"),
+        ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt", "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": [5, 10**6]}, 400, "prompt", "token ids"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 3}, 400, "logprobs", "not supported"),
+        ("/v1/completions", {"model": MODEL, "prompt": [7] * 256}, 400, "messages", "256 tokens"),
+    ],
+)  # fmt: skip
+def test_bad_requests_get_openai_errors(server, path, body, status, param, needle):
+    r = _post(server, path, body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert needle in err["message"] and err["param"] == param and err["type"]
+
+
+def test_unknown_route_and_method_get_error_objects(server):
+    r = httpx.get(server + "/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["message"]
+    r = httpx.get(server + "/v1/chat/completions")
+    assert r.status_code == 405 and r.json()["error"]["message"]
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client(server).models.retrieve("gpt-4")
+
+
+def test_api_key_is_enforced(tiny_engine):
+    with background(build(tiny_engine, MODEL, "vanilla", api_key="s3cret")) as url:
+        with pytest.raises(openai.AuthenticationError, match="incorrect API key"):
+            client(url, "wrong").models.list()
+        r = _post(url, "/v1/completions", {"model": MODEL, "prompt": "hi"})
+        assert r.status_code == 401 and "missing API key" in r.json()["error"]["message"]
+        assert client(url, "s3cret").completions.create(model=MODEL, prompt="hi", max_tokens=2).choices
+        assert httpx.get(url + "/health").status_code == 200  # health needs no key
+
+
+def test_full_queue_answers_429_with_retry_after(tiny_engine):
+    with background(build(tiny_engine, MODEL, "vanilla", max_batch=1, max_queue=0)) as url:
+        body = {"model": MODEL, "prompt": long_prompt(tiny_engine, 200), "max_tokens": 200, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as first:
+            lines = first.iter_lines()  # (kept: a dropped iterator closes the stream)
+            next(lines)  # the first request holds the only slot
+            r = _post(url, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2})
+            assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+            assert r.json()["error"]["code"] == "queue_full"
+            with pytest.raises(openai.RateLimitError):
+                client(url).completions.create(model=MODEL, prompt="hi", max_tokens=2)
+        assert wait_idle(url)["active"] == 0
+
+
+class SlowScheduler(Scheduler):
+    """A scheduler whose steps take at least ``STEP_S``: a long answer then surely outlives its client."""
+
+    STEP_S = 0.02
+
+    def _batched_step(self, jobs):
+        time.sleep(self.STEP_S)
+        super()._batched_step(jobs)
+
+
+def test_disconnect_cancels_and_frees_the_slot(tiny_engine):
+    ids = long_prompt(tiny_engine, 200)
+    app = create_app(tiny_engine, SlowScheduler(tiny_engine, "vanilla", max_batch=1, max_queue=0), MODEL)
+    with background(app) as url:
+        body = {"model": MODEL, "prompt": ids, "max_tokens": 200, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            next(lines)
+            next(lines)
+        h = wait_idle(url, timeout=200 * SlowScheduler.STEP_S / 2)  # well before the answer could end
+        assert h["active"] == 0 and h["cancelled"] == 1 and h["completed"] == 0
+        # the freed slot serves the next request
+        assert client(url).completions.create(model=MODEL, prompt="hi", max_tokens=3).choices[0].text is not None
+        # a non-streaming client that gives up is cancelled too
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/completions", json={**body, "stream": False}, timeout=0.3)
+        h = wait_idle(url, timeout=200 * SlowScheduler.STEP_S / 2)
+        assert h["active"] == 0 and h["cancelled"] == 2 and h["completed"] == 1, h
+
+
+def test_stop_strings_cut_streamed_and_whole_answers_alike(server, tiny_engine):
+    c = client(server)
+    ids = tiny_engine.tokenizer.encode("one two three")
+    full = solo(tiny_engine, ids, 24)
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
+    if not stop.strip():
+        pytest.skip("no printable stop string in this answer")
+    whole = c.completions.create(model=MODEL, prompt=ids, max_tokens=24, stop=stop)
+    parts = c.completions.create(model=MODEL, prompt=ids, max_tokens=24, stop=[stop], stream=True)
+    assert whole.choices[0].text == "".join(p.choices[0].text for p in parts) == full[: full.find(stop)]
+    assert whole.choices[0].finish_reason == "stop"
+
+
+# --------------------------------------------------------------------------- the bundled model
+
+
+@pytest.mark.slow
+def test_bundled_model_m2r2_alone_and_batched_together_is_lossless(real_engine_bf16):
+    """Default method (m2r2 for the bundled model): a lone request speculates, concurrent ones batch;
+    every answer equals ``Engine.generate`` alone with vanilla and with m2r2."""
+    eng = real_engine_bf16
+    prompts = ["What is the capital of France?", "Write a haiku about rain.", "Explain recursion briefly.",
+               "List three primes."]  # fmt: skip
+    with background(build(eng, "smollm2-135m", "auto", max_batch=4)) as url:
+        c = client(url)
+
+        def ask(p: str):
+            return c.chat.completions.create(
+                model="smollm2-135m", messages=[{"role": "user", "content": p}], max_tokens=20
+            )
+
+        alone = ask(prompts[0])
+        assert alone.model_extra["m2r2"]["method"] == "m2r2" and alone.model_extra["m2r2"]["speculative_rounds"] > 0
+        barrier = threading.Barrier(len(prompts))
+
+        def together(p: str):
+            barrier.wait()
+            return ask(p)
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            answers = list(pool.map(together, prompts))
+        assert wait_idle(url)["peak_batch"] >= 2
+    assert alone.choices[0].message.content == answers[0].choices[0].message.content
+    for p, a in zip(prompts, answers, strict=True):
+        ids = eng.tokenizer.encode_chat([{"role": "user", "content": p}])
+        assert a.choices[0].message.content == solo(eng, ids, 20) == solo(eng, ids, 20, "m2r2")
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def test_cli_serve_refuses_methods_it_cannot_batch(capsys, tiny_model):
+    from m2r2.cli import main
+
+    rc = main(["serve", "--model", str(tiny_model(seed=3)), "--method", "lookahead", "--port", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "vanilla or a self-speculative method" in err[0]
+
+
+def test_cli_bench_suite_serve_writes_the_results_schema(capsys, tiny_model, tmp_path):
+    from m2r2.cli import main
+
+    model = tiny_model(seed=3, max_position_embeddings=1024)  # the builtin prompts need > 256 tiny tokens
+    argv = ["bench", "--suite", "serve", "--model", str(model), "--streams", "1,2", "--limit", "2"]
+    assert main([*argv, "--max-new-tokens", "4", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "results.json").read_text())
+    for s in ("1", "2"):
+        v = res["serve"][s]
+        assert v["tokens_per_s"] > 0 and v["ttft_p50_s"] > 0 and v["errors"] == 0 and v["complete"] == 1.0
+        assert v["identical"] == 1.0 and "itl_p95_s" in v
+    assert (tmp_path / "results.md").is_file() and (tmp_path / "serve.png").is_file()
+    assert "| 2 |" in capsys.readouterr().out
