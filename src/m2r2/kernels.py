@@ -278,31 +278,31 @@ def _row_norm_max(lin: nn.Module) -> float:
 
 
 def head_argmax(model: Transformer, h: Tensor) -> Tensor:
-    """``model.head(h[..., i:i+1, :]).argmax(-1)`` for every row ``i`` of a short pass, at about one head's cost.
+    """``model.head(row).argmax(-1)`` for every row of ``h`` (``[..., d]``: a verify pass's rows, or one
+    row per sequence of a batched step) as if each ran alone, at about one head's cost.
 
-    Why: a verify pass must pick, for each row, the token a one-row decoding step would pick, so
-    the head runs row by row there (:func:`row_by_row`; a 49k-word head costs ~a sixth of a
-    SmolLM2 step per row). Here the head runs once over all rows and a row's argmax is kept when
-    its margin over the runner-up exceeds what any other summation order could change: both
-    computations add the same exact float32 products ``w_k x_k`` in different orders (error at
-    most ``2 K u sum|w_k x_k|``, bounded by ``||W_j|| ||x||``), then round to the output dtype
-    (at most one unit in the last place each). Rows inside that band (rare) are recomputed alone.
+    Why: lossless greedy decoding must pick, for each row, the token a one-row step would pick; the
+    oneDNN bf16 head gives a row other bits in a multi-row pass on some CPUs, so exactness alone
+    would cost one head per row (a 49k-word head is ~a sixth of a SmolLM2 step). Here the head runs
+    once over all rows and a row's argmax is kept when its margin over the runner-up exceeds what a
+    different summation order could change: both computations add the same exact float32 products
+    ``w_k x_k`` in some order (each within ``K u sum|w_k x_k|`` of the exact sum, bounded by
+    ``||W_j|| ||x||``) and round to the output dtype (half a unit in the last place each). Rows inside
+    that band (rare) are recomputed alone.
     """
     x = model.norm(h)
     lin = model.lm_head
-    rows = x.shape[-2]
-    if rows <= 1 or not isinstance(lin, PackedLinear | RowInvariantLinear):
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.shape[0] <= 1 or not isinstance(lin, PackedLinear | RowInvariantLinear):
         return model.lm_head(x).float().argmax(-1)
-    batched = (lin._rows(x) if isinstance(lin, PackedLinear) else F.linear(x, lin.weight, lin.bias)).float()
+    batched = (lin._rows(flat) if isinstance(lin, PackedLinear) else F.linear(flat, lin.weight, lin.bias)).float()
     top = batched.topk(2, dim=-1)
-    k = x.shape[-1]
-    fp32_err = 2 * k * 2.0**-24 / (1 - k * 2.0**-24) * x.float().norm(dim=-1) * _row_norm_max(lin)
-    # one unit in the last place of the output dtype at the top logit's magnitude, for each path
+    k = flat.shape[-1]
+    fp32_err = 2 * k * 2.0**-24 / (1 - k * 2.0**-24) * flat.float().norm(dim=-1) * _row_norm_max(lin)
     mag = top.values.abs().amax(-1).clamp_min(1e-30)
-    ulp = 2.0 ** (torch.floor(torch.log2(mag)) - _mantissa_bits(x.dtype))
-    sure = (top.values[..., 0] - top.values[..., 1]) > 2 * (fp32_err + ulp)
-    ids = top.indices[..., 0].clone()
-    for idx in (~sure).nonzero().tolist():
-        *lead, i = idx
-        ids[tuple(idx)] = model.lm_head(x[(*lead, slice(i, i + 1))]).float().argmax(-1)[..., 0]
-    return ids
+    ulp = 2.0 ** (torch.floor(torch.log2(mag)) - _mantissa_bits(flat.dtype))
+    sure = (top.values[:, 0] - top.values[:, 1]) > 2 * (fp32_err + ulp)
+    ids = top.indices[:, 0].clone()
+    for i in (~sure).nonzero()[:, 0].tolist():
+        ids[i] = model.lm_head(flat[i : i + 1]).float().argmax(-1)[0]
+    return ids.view(x.shape[:-1])

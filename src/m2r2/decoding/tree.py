@@ -32,6 +32,7 @@ from m2r2.decoding.base import (
     GenerationConfig,
     GenerationResult,
     Sampler,
+    Stopper,
     StreamCallback,
     begin,
     warp_probs,
@@ -75,6 +76,20 @@ class Tree:
                 m[i, index[a]] = True
                 a = self.parents[a]
         return m
+
+
+@dataclass
+class TreeState:
+    """One sequence's drafting state between rounds: the final slow state of its last verified
+    position (the seed) and the running calibration of path probabilities, plus counts."""
+
+    h_last: Tensor | None = None
+    calib: float = 1.0
+    passes: int = 0
+    rows: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    draft_steps: int = 0
 
 
 class TreeSpeculative:
@@ -170,6 +185,13 @@ class TreeSpeculative:
         return [0, *sorted(order[:best_n])]
 
     # ---- the loop -------------------------------------------------------------------------------
+    #: the server's scheduler starts every sequence's running acceptance here (unused by trees)
+    prior_accept = 1.0
+
+    def make_drafter(self, cache: KVCache) -> TreeState:
+        """Per-sequence drafting state; ``h_last`` is set from the prefill (or a batched step)."""
+        return TreeState()
+
     @torch.inference_mode()
     def generate(
         self, prompt: list[int], gen: GenerationConfig, stream: StreamCallback | None = None
@@ -178,54 +200,21 @@ class TreeSpeculative:
         hidden: list[Tensor] = []
         t0, stopper, cache, logits = begin(model, prompt, gen, self.eos_ids, self.decode, hidden)  # type: ignore[arg-type]
         sampler = Sampler(gen, model.device)
-        self._rng = sampler.rng
         self.last_cache = cache
+        state = self.make_drafter(cache)
+        state.h_last = hidden[0]
         tok = sampler(logits[0, -1])
-        h_last = hidden[0]
         emitted = [tok]
-        passes = drafted = accepted = draft_steps = predicted = 0
-        calib, rows_total = 1.0, 0
-        depth_hist: list[int] = []
         while True:
             kept = stopper.push(emitted)
             if kept and stream is not None:
                 stream(emitted[:kept])
             if stopper.done:
                 break
-            verified = cache.length
-            room = min(stopper.budget - len(stopper.tokens) - 1, cache.max_len - verified - 1, self.max_nodes)
-            rows = [0]
-            tree = Tree([tok], [-1], [0], [1.0], [None])
-            if room > 0 and self._worth_drafting():
-                tree = self.draft(h_last, tok, cache, room, gen)
-                steps = max(tree.depths)
-                draft_steps += steps
-                rows = self.choose(tree, room, calib, steps) if gen.greedy else self._chain(tree, room)
-            n_rows = len(rows)
-            rows_total += n_rows
-            ids = torch.tensor([[tree.tokens[r] for r in rows]], device=model.device)
-            if n_rows == 1 or _is_chain(tree, rows):
-                h = model.run_layers(model.embed_tokens(ids), cache, verified)
-            else:
-                positions = torch.tensor([verified + tree.depths[r] for r in rows], device=model.device)
-                vis = tree.ancestors(rows)
-                mask = torch.cat([torch.ones(n_rows, verified, dtype=torch.bool), vis], dim=1).to(model.device)
-                h = model.run_layers(model.embed_tokens(ids), cache, verified, positions=positions, mask=mask)
-            out = head_argmax(model, h)[0] if gen.greedy else model.head(h)[0]
-            passes += 1
-            path, nxt = self._accept(tree, rows, out, gen, sampler)
-            drafted += n_rows - 1
-            accepted += len(path) - 1
-            predicted_here = sum(tree.scores[r] for r in rows[1:])
-            if predicted_here > 0:  # calibrate path probabilities against what was accepted
-                predicted += 1
-                calib = 0.9 * calib + 0.1 * min(4.0, (len(path) - 1 + 0.1) / (predicted_here + 0.1))
-            depth_hist.append(len(path) - 1)
-            cache.keep([verified + rows.index(r) for r in path], verified)
-            h_last = h[:, rows.index(path[-1])][:, None]
-            emitted = [*[tree.tokens[r] for r in path[1:]], nxt]
-            tok = nxt
+            emitted, *_ = self.round(state, cache, tok, stopper, 1.0, gen, sampler)
+            tok = emitted[-1]
         ntok = max(len(stopper.tokens), 1)
+        passes = state.passes
         n_layers = model.cfg.num_layers
         return GenerationResult(
             tokens=stopper.tokens,
@@ -234,12 +223,12 @@ class TreeSpeculative:
             prompt_tokens=len(prompt),
             stats={
                 "verify_passes": passes,
-                "mean_accepted": (accepted + passes) / passes if passes else 0.0,
-                "acceptance_rate": accepted / drafted if drafted else 0.0,
-                "verify_rows_per_pass": rows_total / passes if passes else 0.0,
+                "mean_accepted": (state.accepted + passes) / passes if passes else 0.0,
+                "acceptance_rate": state.accepted / state.drafted if state.drafted else 0.0,
+                "verify_rows_per_pass": state.rows / passes if passes else 0.0,
                 "verify_passes_per_token": passes / ntok,
-                "draft_layers_per_token": draft_steps * self.fast.cfg.depth / ntok,
-                "layers_per_token": (passes * n_layers + draft_steps * self.fast.cfg.depth) / ntok,
+                "draft_layers_per_token": state.draft_steps * self.fast.cfg.depth / ntok,
+                "layers_per_token": (passes * n_layers + state.draft_steps * self.fast.cfg.depth) / ntok,
                 **(
                     {
                         "draft_cost": self.costs.draft[0] / self.costs.verify[0],
@@ -250,6 +239,58 @@ class TreeSpeculative:
                 ),
             },
         )
+
+    def round(
+        self,
+        state: TreeState,
+        cache: KVCache,
+        tok: int,
+        stopper: Stopper,
+        accept_rate: float,
+        gen: GenerationConfig,
+        sampler: Sampler,
+    ) -> tuple[list[int], int, int, float]:
+        """One draft-and-verify round after ``tok`` (the newest token, not yet in ``cache``), whose
+        previous position's final slow state is ``state.h_last``.
+
+        Returns the emitted tokens (accepted drafts, then the slow model's next token, again not in
+        the cache), drafts accepted and verified, and ``accept_rate`` unchanged (trees calibrate in
+        ``state``). The same signature as :meth:`SelfSpeculative.round`: the server interleaves rounds
+        of either with batched steps.
+        """
+        model = self.model
+        self._rng = sampler.rng
+        verified = cache.length
+        room = min(stopper.budget - len(stopper.tokens) - 1, cache.max_len - verified - 1, self.max_nodes)
+        rows = [0]
+        tree = Tree([tok], [-1], [0], [1.0], [None])
+        if room > 0 and self._worth_drafting():
+            tree = self.draft(state.h_last, tok, cache, room, gen)
+            steps = max(tree.depths)
+            state.draft_steps += steps
+            rows = self.choose(tree, room, state.calib, steps) if gen.greedy else self._chain(tree, room)
+        n_rows = len(rows)
+        ids = torch.tensor([[tree.tokens[r] for r in rows]], device=model.device)
+        if n_rows == 1 or _is_chain(tree, rows):
+            h = model.run_layers(model.embed_tokens(ids), cache, verified)
+        else:
+            positions = torch.tensor([verified + tree.depths[r] for r in rows], device=model.device)
+            vis = tree.ancestors(rows)
+            mask = torch.cat([torch.ones(n_rows, verified, dtype=torch.bool), vis], dim=1).to(model.device)
+            h = model.run_layers(model.embed_tokens(ids), cache, verified, positions=positions, mask=mask)
+        out = head_argmax(model, h)[0] if gen.greedy else model.head(h)[0]
+        path, nxt = self._accept(tree, rows, out, gen, sampler)
+        n = len(path) - 1
+        predicted = sum(tree.scores[r] for r in rows[1:])
+        if predicted > 0:  # calibrate path probabilities against what was accepted
+            state.calib = 0.9 * state.calib + 0.1 * min(4.0, (n + 0.1) / (predicted + 0.1))
+        state.passes += 1
+        state.rows += n_rows
+        state.drafted += n_rows - 1
+        state.accepted += n
+        cache.keep([verified + rows.index(r) for r in path], verified)
+        state.h_last = h[:, rows.index(path[-1])][:, None]
+        return [*[tree.tokens[r] for r in path[1:]], nxt], n, n_rows - 1, accept_rate
 
     def _worth_drafting(self) -> bool:
         """Drafting pays only if one draft step plus a 2-row pass beats a plain step at best-case odds."""
