@@ -21,7 +21,8 @@ import torch
 
 from m2r2.bench.datasets import load_dataset
 from m2r2.decoding.base import GenerationConfig
-from m2r2.engine import Engine, cpu_name
+from m2r2.engine import Engine
+from m2r2.machine import cpu_name
 
 #: (label, options of the m2r2 method): a chain (one branch), trees of growing size
 VARIANTS = [

@@ -728,7 +728,7 @@ def _add_seeded_commands(sub: argparse._SubParsersAction) -> None:
         "store`, with train-time drafting chains. Writes DIR/adapters.safetensors (+ .json); use it with "
         "`--option adapters=DIR/adapters.safetensors` or copy it into src/m2r2/adapters/ to ship it.",
     )
-    ts.add_argument("--store", default="runs/store", help="training store directory (default runs/store)")
+    ts.add_argument("--store", default="runs/store", help="training store dirs, comma-separated")
     ts.add_argument("--out", default="runs/seeded", help="checkpoint and adapter directory (default runs/seeded)")
     ts.add_argument("--depth", type=int, default=1, help="fast layers K: the last K base layers (default 1)")
     ts.add_argument("--rank", type=int, default=32, help="adapter rank (default 32)")

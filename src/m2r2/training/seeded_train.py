@@ -130,22 +130,22 @@ def train_seeded(
         raise SettingsError("chain, batch and depth must be >= 1")
     if base.dtype != torch.float32:
         raise SettingsError("train the seeded fast stream on the float32 model (--dtype fp32)")
-    store = TrainStore(s.store, fingerprint)
-    if s.depth > len(store.kv_layers):
-        raise SettingsError(f"the store holds K/V of {len(store.kv_layers)} layers; depth {s.depth} needs more")
+    stores = [TrainStore(Path(p), fingerprint) for p in str(s.store).split(",")]
     cfg = SeededConfig.build(base.cfg.num_layers, s.depth, s.rank)
-    if store.kv_layers[-s.depth :] != cfg.layers:
-        raise SettingsError(f"store K/V layers {store.kv_layers} do not end with the fast layers {cfg.layers}")
+    for store in stores:
+        if store.kv_layers[-s.depth :] != cfg.layers:
+            raise SettingsError(f"store {store.root} holds K/V of layers {store.kv_layers}, not of {cfg.layers}")
     stream = SeededFastStream(base, cfg)
     stream.draft_vocab = draft_vocab
-    seqs = [q for i in range(len(store.shards)) for q in store.sequences(store.load_shard(i))]
-    held, train = seqs[: s.holdout], seqs[s.holdout :]
+    seqs = [[q for i in range(len(st.shards)) for q in st.sequences(st.load_shard(i))] for st in stores]
+    held = seqs[0][: s.holdout]  # validation: the first store's first sequences
+    train = seqs[0][s.holdout :] + [q for more in seqs[1:] for q in more]
     if not train:
-        raise SettingsError(f"the store holds {len(seqs)} sequences, not more than --holdout {s.holdout}")
+        raise SettingsError(f"the stores hold no sequences beyond --holdout {s.holdout}")
     params = [p for p in stream.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=s.lr, weight_decay=0.0)
     ckpt = Path(s.out) / "checkpoint.pt"
-    digest = store_digest(s.store)
+    digest = "+".join(store_digest(st.root) for st in stores)
     traj = {
         k: v
         for k, v in s.to_dict().items()
@@ -224,7 +224,7 @@ def train_seeded(
         train={
             **s.to_dict(),
             "steps_done": step,
-            "store_tokens": store.tokens,
+            "store_tokens": sum(st.tokens for st in stores),
             "store_digest": digest,
             "tokens_seen_this_run": seen,
             "minutes_this_run": (time.perf_counter() - t0) / 60,

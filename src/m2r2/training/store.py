@@ -85,6 +85,8 @@ def _atomic(path: Path, write: Callable[[Path], object]) -> None:
 
 
 def read_conversations(path: Path) -> list[dict[str, Any]]:
+    """Conversation records (``messages``) or the base model's own answers from ``m2r2 distill-data``
+    (``prompt_ids`` + ``answer_ids``: already tokens, stored as they are)."""
     from m2r2.training.distill import refuse_eval
 
     refuse_eval(path)
@@ -98,8 +100,9 @@ def read_conversations(path: Path) -> list[dict[str, Any]]:
             continue
         try:
             rec = json.loads(line)
-            if not isinstance(rec.get("messages"), list) or not rec["messages"]:
-                raise ValueError("no messages")
+            tokens = isinstance(rec.get("prompt_ids"), list) and isinstance(rec.get("answer_ids"), list)
+            if not tokens and (not isinstance(rec.get("messages"), list) or not rec["messages"]):
+                raise ValueError("neither messages nor prompt_ids/answer_ids")
         except (json.JSONDecodeError, ValueError, AttributeError) as e:
             raise InputError(f"{path}:{i + 1}: not a conversation record ({e})") from None
         out.append(rec)
@@ -253,7 +256,10 @@ def build_store(
     t0 = time.perf_counter()
     while done < end and not (minutes and time.perf_counter() - t0 > minutes * 60):
         chunk = order[done : min(end, done + s.shard_sequences)]
-        seqs = [encode(r["messages"])[: s.max_len] for r in chunk]
+        seqs = [
+            (encode(r["messages"]) if "messages" in r else r["prompt_ids"] + r["answer_ids"])[: s.max_len]
+            for r in chunk
+        ]
         idx = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))  # less padding per batch
         rows: dict[int, dict[str, Tensor]] = {}
         for j in range(0, len(idx), s.batch):
