@@ -245,3 +245,32 @@ def test_certified_head_argmax_equals_row_by_row_argmax(kernel):
     assert set(ref[0].tolist()) <= {3, 5}  # the rows really are near-ties between the two tokens
     top = batched.topk(2, dim=-1).values[0]
     assert float((top[:, 0] - top[:, 1]).min()) < 0.05
+
+
+def test_store_takes_the_models_own_answers_and_training_reads_several_stores(tmp_path, tiny_model):
+    from m2r2.engine import Engine
+    from m2r2.training.seeded_train import SeededTrainSettings, train_seeded
+    from m2r2.training.store import StoreSettings, TrainStore, build_store, chat_encoder
+
+    e = Engine(str(tiny_model(0)), dtype="fp32", quiet=True)
+    conv, own = tmp_path / "conv.jsonl", tmp_path / "answers.jsonl"
+    _conversations(conv, 9)
+    with open(own, "w") as f:
+        for i in range(7):
+            f.write(
+                json.dumps({"id": f"o:{i}", "source": "lima", "prompt_ids": [1, 5, 7], "answer_ids": [9] * (i + 2)})
+            )
+            f.write("\n")
+    enc = chat_encoder(e.tokenizer)
+    for data, out in ((conv, "a"), (own, "b")):
+        build_store(e.model, e.fingerprint, enc, tmp_path / out, StoreSettings(data=str(data), max_len=32, kv_layers=1))
+    b = TrainStore(tmp_path / "b", e.fingerprint)
+    got = sorted(q["tokens"].tolist() for q in b.sequences(b.load_shard(0)))
+    assert got == sorted([1, 5, 7] + [9] * (i + 2) for i in range(7))
+    s = SeededTrainSettings(
+        store=f"{tmp_path / 'a'},{tmp_path / 'b'}", out=tmp_path / "run", steps=2, batch=4, holdout=2, chain=2, rank=2
+    )
+    stream = train_seeded(e.model, e.fingerprint, s, None)
+    meta = json.loads((tmp_path / "run" / "adapters.json").read_text())
+    assert meta["train"]["store_tokens"] == TrainStore(tmp_path / "a").tokens + b.tokens
+    assert isinstance(stream, SeededFastStream)
