@@ -739,7 +739,9 @@ def _add_seeded_commands(sub: argparse._SubParsersAction) -> None:
     ts.add_argument("--lr", type=float, default=2e-3, help="AdamW learning rate (default 2e-3)")
     ts.add_argument("--holdout", type=int, default=48, help="store sequences kept out for validation")
     ts.add_argument("--seed", type=int, default=0)
+    ts.add_argument("--warmup", type=int, default=20, help="linear warm-up steps (default 20)")
     ts.add_argument("--resume", action="store_true", help="continue from --out/checkpoint.pt")
+    ts.add_argument("--init", default=None, help="seeded adapters to start from (e.g. before the store grew)")
     ts.add_argument("--draft-vocab", default=None, help="adapter file whose draft vocabulary to use (default: shipped)")
     ts.add_argument("--model", default=os.environ.get("M2R2_MODEL"), help="base model (default smollm2-135m)")
     ts.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -815,6 +817,8 @@ def cmd_train_seeded(args: argparse.Namespace) -> int:
         holdout=args.holdout,
         seed=args.seed,
         resume=args.resume,
+        warmup=args.warmup,
+        init=args.init,
         info={"base_model": str(args.model or "smollm2-135m")},
     )
     bar = tqdm(desc="train-seeded", unit="step", file=sys.stderr)
