@@ -350,7 +350,8 @@ def _is_chain(tree: Tree, rows: list[int]) -> bool:
 
 
 def measure_tree_costs(model: Transformer, fast: SeededFastStream, k_max: int, repeats: int = 5) -> TreeCosts:
-    """Time fast steps over 1..4 rows and slow passes over 1..k_max+1 rows at a 128-token context.
+    """Time fast steps over 1..4 rows and greedy slow passes (certified head argmax, as a greedy verify
+    runs) over 1..k_max+1 rows at a 128-token context.
 
     Interleaved rounds, minimum kept (so a burst of other load cannot make one look cheap).
     """
@@ -373,7 +374,7 @@ def measure_tree_costs(model: Transformer, fast: SeededFastStream, k_max: int, r
         calls.append(one)
     for k in range(1, k_max + 2):
         block = torch.ones(1, k, dtype=torch.long, device=dev)
-        calls.append(lambda block=block: model.head(model.run_layers(model.embed_tokens(block), cache, ctx)))
+        calls.append(lambda block=block: head_argmax(model, model.run_layers(model.embed_tokens(block), cache, ctx)))
     best = [math.inf] * len(calls)
     with torch.inference_mode():
         model(ids, cache, 0, last_only=True)
