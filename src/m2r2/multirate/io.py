@@ -21,7 +21,13 @@ from m2r2.weightfile import sidecar  # noqa: F401 (re-exported)
 
 FORMAT = "m2r2-adapters"
 VERSION = 1
-ADAPTERS = weightfile.Kind(FORMAT, "adapter", "an m2r2 adapter config", "`m2r2 train`")
+ADAPTERS = weightfile.Kind(
+    FORMAT,
+    "adapter",
+    "an m2r2 adapter config",
+    "`m2r2 train`",
+    "no adapters ship for this base model; train some with `m2r2 train` and pass --adapters PATH",
+)
 #: Optional tensor of an adapter file: the draft head's token ids (see ``FastStream.exit_logits``).
 DRAFT_VOCAB = "draft_vocab"
 
@@ -80,9 +86,4 @@ def bundled_adapters(fingerprint: str) -> Path | None:
 
 def load_default(model: Transformer, fingerprint: str, path: Path | None = None) -> FastStream:
     """Adapters from ``path``, else the shipped ones for this base model; a clear error if none."""
-    path = path or bundled_adapters(fingerprint)
-    if path is None:
-        raise WeightsError(
-            "no adapters ship for this base model; train some with `m2r2 train` and pass --adapters PATH"
-        )
-    return load_adapters(path, model, fingerprint)
+    return load_adapters(weightfile.given_or_shipped(path, ADAPTERS, fingerprint), model, fingerprint)
