@@ -86,4 +86,9 @@ def bundled_adapters(fingerprint: str) -> Path | None:
 
 def load_default(model: Transformer, fingerprint: str, path: Path | None = None) -> FastStream:
     """Adapters from ``path``, else the shipped ones for this base model; a clear error if none."""
-    return load_adapters(weightfile.given_or_shipped(path, ADAPTERS, fingerprint), model, fingerprint)
+    path = path or bundled_adapters(fingerprint)
+    if path is None:
+        raise WeightsError(
+            "no adapters ship for this base model; train some with `m2r2 train` and pass --adapters PATH"
+        )
+    return load_adapters(path, model, fingerprint)
