@@ -193,7 +193,10 @@ def test_one_default_path_for_distilled_answers() -> None:
 
 def test_moefication_falls_back_to_shipped_conversations(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from m2r2.moe import moefy
+    from m2r2.paths import shipped_conversations
 
+    if shipped_conversations() is None:
+        pytest.skip("the project's shared/data/train is not reachable from here")
     monkeypatch.chdir(tmp_path)  # a fresh clone: no runs/ folder
     data = moefy.calibration_data(Path("runs/distill/answers.jsonl"))
     assert data.is_file() and data.name == "conversations.jsonl"

@@ -13,9 +13,15 @@ import shlex
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from m2r2.errors import InputError, M2R2Error, SettingsError
 from m2r2.paths import DEFAULT_ANSWERS, DEFAULT_TRAIN_PROMPTS
+
+if TYPE_CHECKING:  # types only: the CLI imports torch only for a command that runs
+    from m2r2.decoding.base import GenerationConfig
+    from m2r2.engine import Engine
+    from m2r2.multirate.fast import FastConfig
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -118,7 +124,7 @@ def _method_options(pairs: list[str]) -> dict[str, object]:
     return out
 
 
-def _gen_config(args: argparse.Namespace):  # -> GenerationConfig
+def _gen_config(args: argparse.Namespace) -> GenerationConfig:
     from m2r2.decoding.base import GenerationConfig
 
     return GenerationConfig(
@@ -131,7 +137,7 @@ def _gen_config(args: argparse.Namespace):  # -> GenerationConfig
     ).validate()
 
 
-def _engine(args: argparse.Namespace, quiet: bool = False):  # -> Engine
+def _engine(args: argparse.Namespace, quiet: bool = False) -> Engine:
     from m2r2.engine import Engine
 
     return Engine(
@@ -334,7 +340,7 @@ def _list_arg(text: str | None) -> list[int] | None:
     return [int(x) for x in text.split(",") if x.strip()] if text else None
 
 
-def _fast_config(args: argparse.Namespace, num_layers: int):  # -> FastConfig
+def _fast_config(args: argparse.Namespace, num_layers: int) -> FastConfig:
     from m2r2.multirate.fast import FastConfig
 
     path = args.path if args.path in ("prefix", "strided") else [i - 1 for i in _list_arg(args.path) or []]

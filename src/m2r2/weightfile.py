@@ -32,6 +32,7 @@ class Kind:
     name: str  # "adapter", "router"
     title: str  # "an m2r2 adapter config"
     trains: str  # the command that makes files for another model
+    none_shipped: str  # the error when none ship for a model and no path is given
 
 
 def sidecar(path: Path) -> Path:
@@ -100,3 +101,11 @@ def bundled(kind: Kind, fingerprint: str, accept: Callable[[dict[str, Any]], boo
         if ours and (accept is None or accept(meta)):
             return side.with_suffix(".safetensors")
     return None
+
+
+def given_or_shipped(path: Path | None, kind: Kind, fingerprint: str) -> Path:
+    """``path``, else the file shipped for this base model; a one-line error if there is none."""
+    path = path or bundled(kind, fingerprint)
+    if path is None:
+        raise WeightsError(kind.none_shipped)
+    return path

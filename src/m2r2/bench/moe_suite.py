@@ -98,7 +98,7 @@ def run_moe(engine: Engine, settings: BenchSettings) -> dict[str, Any]:
     if any(not 0 < f <= 1 for f in fractions):
         raise SettingsError(f"cache fractions must be in (0, 1], got {fractions}")
     data = load_dataset(settings.dataset or DEFAULT_DATASET, settings.limit)
-    out = check_out_dir(settings)
+    out_dir = check_out_dir(settings)
     fast = _fast_stream(engine, getattr(settings, "adapters", None)) if "m2r2" in policies else None
     store = expert_store(model, store_path(engine.fingerprint, model.dtype))
     n_experts = total_experts(model)
@@ -139,7 +139,7 @@ def run_moe(engine: Engine, settings: BenchSettings) -> dict[str, Any]:
                     }
         row["runs"] = runs
         rows.append(row)
-        save_results(out, {"suite": "moe", "dataset": data.name, **stamp, "prompts": rows}, complete=False)
+        save_results(out_dir, {"suite": "moe", "dataset": data.name, **stamp, "prompts": rows}, complete=False)
 
     moe = summarize(rows, bandwidths, fractions, policies)
     results: dict[str, Any] = {
@@ -164,10 +164,10 @@ def run_moe(engine: Engine, settings: BenchSettings) -> dict[str, Any]:
         "moe": moe,
         "prompts": rows,
     }
-    save_results(out, results, complete=True)
+    save_results(out_dir, results, complete=True)
     text = f"{header_line(results)}\n\n{markdown(results)}\n"
-    (out / "results.md").write_text(text, encoding="utf-8")
-    plot(results, out / "moe.png")
+    (out_dir / "results.md").write_text(text, encoding="utf-8")
+    plot(results, out_dir / "moe.png")
     store.close()
     return {**results, "markdown": text}
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -43,17 +42,14 @@ class Autoregressive:
         steps = 1
         while True:
             tok = sampler(logits[0, -1])
-            if stopper.push([tok]) and stream is not None:
-                stream([tok])
+            stopper.emit([tok], stream)
             if stopper.done:
                 break
             logits = self.model(torch.tensor([[tok]], device=self.model.device), cache)
             steps += 1
-        return GenerationResult(
-            tokens=stopper.tokens,
-            seconds=time.perf_counter() - t0,
-            stop_reason=str(stopper.reason),
-            prompt_tokens=len(prompt),
+        return stopper.result(
+            t0,
+            prompt,
             stats={"forward_passes": steps, "layers_per_token": float(self.model.cfg.num_layers)},
         )
 

@@ -219,6 +219,17 @@ class Stopper:
     def done(self) -> bool:
         return self.reason is not None
 
+    def emit(self, new: list[int], stream: StreamCallback | None = None) -> int:
+        """:meth:`push`, then stream the tokens kept: how every strategy outputs tokens."""
+        kept = self.push(new)
+        if kept and stream is not None:
+            stream(new[:kept])
+        return kept
+
+    def result(self, t0: float, prompt: list[int], stats: dict[str, Any] | None = None) -> GenerationResult:
+        """What every strategy returns: the tokens kept, the seconds since ``t0``, why output ended."""
+        return GenerationResult(self.tokens, time.perf_counter() - t0, str(self.reason), len(prompt), stats or {})
+
     def push(self, new: list[int]) -> int:
         kept = 0
         for tok in new:

@@ -13,7 +13,6 @@ state copying, cost accounting, SkipDecode's deviation): docs/DYNAMIC.md.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -166,8 +165,7 @@ class PendingDecoder:
         c = _Counters()
         index = 1  # generated index of the token the next step produces (0 came from the prompt pass)
         while True:
-            if stopper.push([tok]) and stream is not None:
-                stream([tok])
+            stopper.emit([tok], stream)
             if stopper.done:
                 break
             pos = cache.length + len(self.pending)
@@ -192,11 +190,9 @@ class PendingDecoder:
                 tok = int(self._deep(tok, pos, probe, c).argmax())
             index += 1
         ntok = max(len(stopper.tokens), 1)
-        return GenerationResult(
-            tokens=stopper.tokens,
-            seconds=time.perf_counter() - t0,
-            stop_reason=str(stopper.reason),
-            prompt_tokens=len(prompt),
+        return stopper.result(
+            t0,
+            prompt,
             stats={
                 "layers_per_token": (c.probe_layers + c.slow_layers) / ntok,
                 "row_layers_per_token": c.row_layers / ntok,

@@ -72,9 +72,7 @@ class _StopAt:
     def __call__(self, input_ids: torch.Tensor, scores: Any = None, **kwargs: Any) -> torch.Tensor:
         new = input_ids[0, self.seen :].tolist()
         self.seen = input_ids.shape[1]
-        kept = self.stopper.push(new)
-        if kept and self.stream is not None:
-            self.stream(new[:kept])
+        self.stopper.emit(new, self.stream)
         return torch.full((input_ids.shape[0],), self.stopper.done, dtype=torch.bool, device=input_ids.device)
 
 
@@ -231,15 +229,12 @@ class LlamaCpp:
         }
         t0 = time.perf_counter()
         for tok in self.llm.generate(prompt, reset=True, **sampling):
-            if stopper.push([int(tok)]) and stream is not None:
-                stream([int(tok)])
+            stopper.emit([int(tok)], stream)
             if stopper.done:
                 break
-        return GenerationResult(
-            tokens=stopper.tokens,
-            seconds=time.perf_counter() - t0,
-            stop_reason=str(stopper.reason),
-            prompt_tokens=len(prompt),
+        return stopper.result(
+            t0,
+            prompt,
         )
 
 

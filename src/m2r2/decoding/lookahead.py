@@ -17,7 +17,6 @@ no extra pass. Greedy output equals plain greedy decoding; sampling is not suppo
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -42,12 +41,12 @@ class NgramPool:
     """n-grams keyed by first token, most recent first, at most ``per_key`` per key."""
 
     def __init__(self, n: int, per_key: int) -> None:
-        self.n, self.per_key = n, per_key
+        self.size, self.per_key = n, per_key
         self.pool: dict[int, OrderedDict[tuple[int, ...], None]] = {}
 
     def add_sequence(self, seq: list[int]) -> None:
-        for i in range(len(seq) - self.n + 1):
-            gram = tuple(seq[i : i + self.n])
+        for i in range(len(seq) - self.size + 1):
+            gram = tuple(seq[i : i + self.size])
             bucket = self.pool.setdefault(gram[0], OrderedDict())
             bucket.pop(gram[1:], None)
             bucket[gram[1:]] = None
@@ -83,11 +82,11 @@ class Lookahead:
                 f"{ROW_INVARIANT_MAX_ROWS}, the most that stays bit-identical to plain decoding"
             )
         self.model, self.eos_ids, self.decode = model, eos_ids, decode
-        self.W, self.N, self.G = window, ngram, candidates
+        self.window, self.ngram, self.candidates = window, ngram, candidates
 
     def _layout(self, verified: int, cands: list[tuple[int, ...]]) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE positions and attention mask of one step's tokens (cache slots follow ``verified``)."""
-        w = self.W
+        w = self.window
         pos = list(range(verified, verified + 1 + w))
         groups = [(0, 1 + w)]  # [t, g_1..g_W] is one causal run
         for c in cands:
@@ -112,19 +111,17 @@ class Lookahead:
             raise SettingsError("lookahead decoding here is greedy only; use temperature 0 or another method")
         model = self.model
         t0, stopper, cache, logits = begin(model, prompt, gen, self.eos_ids, self.decode)
-        step_tokens = 1 + self.W + self.G * (self.N - 1)
+        step_tokens = 1 + self.window + self.candidates * (self.ngram - 1)
         ctx = model.cfg.max_position_embeddings
         dev = model.device
         tok = int(logits[0, -1].argmax())
-        pool = NgramPool(self.N, per_key=self.G)
+        pool = NgramPool(self.ngram, per_key=self.candidates)
         pool.add_sequence(prompt)
         # Jacobi window initialised from the prompt's tail (any guess works; these are cheap)
-        guess = (prompt * (1 + self.W // max(len(prompt), 1)))[-self.W :]
+        guess = (prompt * (1 + self.window // max(len(prompt), 1)))[-self.window :]
         emitted, passes, accepted = [tok], 0, 0
         while True:
-            kept = stopper.push(emitted)
-            if kept and stream is not None:
-                stream(emitted[:kept])
+            stopper.emit(emitted, stream)
             if stopper.done:
                 break
             verified = cache.length
@@ -135,7 +132,7 @@ class Lookahead:
                 tok = emitted[0]
                 passes += 1
                 continue
-            cands = pool.candidates(tok, self.G)
+            cands = pool.candidates(tok, self.candidates)
             positions, mask = self._layout(verified, cands)
             ids = [tok, *guess, *(x for c in cands for x in c)]
             out = model(torch.tensor([ids], device=dev), cache, verified, positions=positions, mask=mask)[0]
@@ -143,7 +140,7 @@ class Lookahead:
             top = out.argmax(-1).tolist()
             nxt = top[0]
             # verify candidates: c[0] must be the true next token, c[i] the argmax after c[i-1]
-            best_len, best_slots, best_follow, base = 0, [], nxt, 1 + self.W
+            best_len, best_slots, best_follow, base = 0, [], nxt, 1 + self.window
             for c in cands:
                 m = 0
                 expect = nxt
@@ -155,7 +152,7 @@ class Lookahead:
                     best_follow = expect
                 base += len(c)
             # Jacobi update: the window's argmaxes are the next guesses; harvest n-grams from them
-            jacobi = [nxt, *top[1 : 1 + self.W]]
+            jacobi = [nxt, *top[1 : 1 + self.window]]
             pool.add_sequence([tok, *jacobi])
             if best_len:
                 emitted = [nxt, *[ids[s] for s in best_slots[1:]], best_follow]
@@ -169,13 +166,11 @@ class Lookahead:
                 cache.truncate(verified + 1)
                 tok = nxt
                 guess = jacobi[1:]
-            guess = (guess + [tok] * self.W)[: self.W]
+            guess = (guess + [tok] * self.window)[: self.window]
         ntok = max(len(stopper.tokens), 1)
-        return GenerationResult(
-            tokens=stopper.tokens,
-            seconds=time.perf_counter() - t0,
-            stop_reason=str(stopper.reason),
-            prompt_tokens=len(prompt),
+        return stopper.result(
+            t0,
+            prompt,
             stats={
                 "verify_passes": passes,
                 "mean_accepted": ntok / passes if passes else 0.0,

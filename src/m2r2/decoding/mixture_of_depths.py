@@ -20,7 +20,6 @@ vanilla's arithmetic and reproduces ``vanilla`` greedy token for token.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -50,7 +49,14 @@ if TYPE_CHECKING:
 
 FORMAT = "m2r2-mod-routers"
 VERSION = 1
-ROUTERS = weightfile.Kind(FORMAT, "router", "an m2r2 Mixture-of-Depths router config", "`m2r2 train-mod`")
+ROUTERS = weightfile.Kind(
+    FORMAT,
+    "router",
+    "an m2r2 Mixture-of-Depths router config",
+    "`m2r2 train-mod`",
+    "no Mixture-of-Depths routers ship for this base model; train some with `m2r2 train-mod` "
+    "and pass --option routers=PATH",
+)
 
 
 @dataclass
@@ -124,13 +130,8 @@ def bundled_routers(fingerprint: str) -> Path | None:
 
 
 def load_default_routers(model: Transformer, fingerprint: str, path: Path | None = None) -> Routers:
-    path = path or bundled_routers(fingerprint)
-    if path is None:
-        raise WeightsError(
-            "no Mixture-of-Depths routers ship for this base model; train some with `m2r2 train-mod` "
-            "and pass --option routers=PATH"
-        )
-    return load_routers(path, model, fingerprint)
+    """Routers from ``path``, else the shipped ones for this base model; a clear error if none."""
+    return load_routers(weightfile.given_or_shipped(path, ROUTERS, fingerprint), model, fingerprint)
 
 
 # --------------------------------------------------------------------------- decoding
@@ -204,18 +205,15 @@ class MixtureOfDepths:
         layers_run, steps = [n_layers], 1  # the prefill's last position gives the first token
         while True:
             tok = sampler(logits[0, -1])
-            if stopper.push([tok]) and stream is not None:
-                stream([tok])
+            stopper.emit([tok], stream)
             if stopper.done:
                 break
             logits, ran = self.step(tok, cache, valid)
             layers_run.append(ran)
             steps += 1
-        return GenerationResult(
-            tokens=stopper.tokens,
-            seconds=time.perf_counter() - t0,
-            stop_reason=str(stopper.reason),
-            prompt_tokens=len(prompt),
+        return stopper.result(
+            t0,
+            prompt,
             stats={
                 "forward_passes": steps,
                 "layers_per_token": sum(layers_run) / len(layers_run),

@@ -17,7 +17,6 @@ the running acceptance rate.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -107,9 +106,7 @@ class SelfSpeculative:
         passes = drafted = accepted = draft_steps = 0
         accept_rate = self.prior_accept
         while True:
-            kept = stopper.push(emitted)
-            if kept and stream is not None:
-                stream(emitted[:kept])
+            stopper.emit(emitted, stream)
             if stopper.done:
                 break
             emitted, n, g, accept_rate = self.round(drafter, cache, tok, stopper, accept_rate, gen, sampler)
@@ -120,11 +117,9 @@ class SelfSpeculative:
             tok = emitted[-1]
         ntok = max(len(stopper.tokens), 1)
         n_layers = model.cfg.num_layers
-        return GenerationResult(
-            tokens=stopper.tokens,
-            seconds=time.perf_counter() - t0,
-            stop_reason=str(stopper.reason),
-            prompt_tokens=len(prompt),
+        return stopper.result(
+            t0,
+            prompt,
             stats={
                 "verify_passes": passes,
                 "mean_accepted": (accepted + passes) / passes if passes else 0.0,

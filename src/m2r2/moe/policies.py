@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections import Counter, defaultdict
 from typing import Any
 
 import torch
@@ -55,6 +54,7 @@ from torch import Tensor
 from m2r2.cache import KVCache
 from m2r2.errors import M2R2Error, SettingsError
 from m2r2.model import MoE, Transformer
+from m2r2.moe.accounting import Accounting
 from m2r2.moe.cache import ExpertCache, Key
 from m2r2.moe.loader import Loader
 from m2r2.multirate.fast import FastStream, draft_mask, fast_layer
@@ -97,7 +97,7 @@ class CacheOnly:
         t = time.perf_counter()
         out = {}
         if not self.use:
-            self.policy.counts["fast"]["requests"] += len(ids)
+            self.policy.acct.counts["fast"]["requests"] += len(ids)
             return out
         with cache.cond:
             for e in ids:
@@ -106,7 +106,7 @@ class CacheOnly:
                     cache.pin(key)  # until the fast layer is done (release())
                     self.pinned.append(key)
                     out[e] = cache.weights(key)
-        c = self.policy.counts["fast"]
+        c = self.policy.acct.counts["fast"]
         c["requests"] += len(ids)
         c["hits"] += len(out)
         return out
@@ -118,57 +118,6 @@ class CacheOnly:
         self.pinned = []
 
 
-class Accounting:
-    """What one generation's fetches met (hits, late, misses, stalls) and how its predictions scored.
-
-    Counts and stall seconds are kept per phase (prefill, decode); a decode-step prediction is
-    scored when its layer runs, per source and lookahead distance (layers between prediction and use).
-    """
-
-    def __init__(self) -> None:
-        self.counts: dict[str, Counter[str]] = defaultdict(Counter)
-        self.stall_s: Counter[str] = Counter()
-        self.preds: dict[int, list[tuple[str, int, set[int]]]] = defaultdict(list)  # need time -> predictions
-        self.scores: dict[tuple[str, int], list[int]] = defaultdict(lambda: [0, 0, 0])  # tp, predicted, actual
-        self.issued: set[tuple[int, str]] = set()
-        self.decode_start: dict[str, int] | None = None  # loader totals when decoding started
-
-    def predicted(self, need: int, source: str, distance: int, ids: list[int]) -> None:
-        """A decode-step prediction (the first per need time and source counts)."""
-        if (need, source) not in self.issued:
-            self.issued.add((need, source))
-            self.preds[need].append((source, distance, set(ids)))
-
-    def score(self, now: int, ids: list[int]) -> None:
-        """Score the predictions made for time ``now`` against the experts actually used."""
-        actual = set(ids)
-        for source, dist, pred in self.preds.pop(now, []):
-            s = self.scores[(source, dist)]
-            s[0] += len(pred & actual)
-            s[1] += len(pred)
-            s[2] += len(actual)
-        for t in [t for t in self.preds if t < now]:
-            del self.preds[t]
-
-    def report(self, loader_totals: dict[str, int]) -> dict[str, Any]:
-        """Counts, stall seconds and prediction scores of this generation."""
-        pr: dict[str, dict[str, dict[str, float]]] = defaultdict(dict)
-        for (source, dist), (tp, npred, nact) in sorted(self.scores.items()):
-            pr[source][str(dist)] = {
-                "precision": tp / npred if npred else 0.0,
-                "recall": tp / nact if nact else 0.0,
-                "predicted": npred,
-                "actual": nact,
-                "correct": tp,
-            }
-        return {
-            "counts": {k: dict(v) for k, v in self.counts.items()},
-            "stall_s": dict(self.stall_s),
-            "prediction": dict(pr),
-            "decode_start": self.decode_start or loader_totals,
-        }
-
-
 class Policy:
     """``on-demand``: the shared fetch/accounting machinery, with no predictions."""
 
@@ -178,7 +127,7 @@ class Policy:
 
     def __init__(self, model: Transformer, cache: ExpertCache, loader: Loader) -> None:
         self.model, self.cache, self.loader = model, cache, loader
-        self.n = model.cfg.num_layers
+        self.num_layers = model.cfg.num_layers
         self.sparse = moe_layers(model)
         self.next_sparse = {a: b for a, b in zip(self.sparse, self.sparse[1:], strict=False)}
         self.step = -1
@@ -216,7 +165,7 @@ class Policy:
         return "decode" if self.rows == 1 else "prefill"
 
     def time_of(self, layer: int, steps_ahead: int = 0) -> int:
-        return (self.step + steps_ahead) * self.n + layer
+        return (self.step + steps_ahead) * self.num_layers + layer
 
     def gate(self, layer: int, x: Tensor) -> list[int]:
         """Experts that layer ``layer``'s router picks for the residual ``x``: for one row in the router's
@@ -348,19 +297,19 @@ class M2R2Prefetch(Policy):
         if fast_experts not in ("cache", "none"):
             raise SettingsError(f"fast_experts must be 'cache' or 'none', got {fast_experts!r}")
         self.cache_only = CacheOnly(self, use=fast_experts == "cache")
-        self.f: Tensor | None = None
+        self.fast_state: Tensor | None = None
 
     def begin_step(self, tokens: Tensor, pos: int, kv: KVCache) -> None:
         super().begin_step(tokens, pos, kv)
         self.covered: set[int] = set()
-        self.f = None
+        self.fast_state = None
         if self.rows != 1:  # prefill: no fast stream (next-gate only)
             return
         base = self.model
-        self.kv, self.pos, self.j = kv, pos, 0
+        self.kv, self.pos, self.fast_done = kv, pos, 0
         self.cos, self.sin = base.rope(pos, 1, base.dtype)
         self.mask = draft_mask(pos, 1, 1, base.device)
-        self.f = base.embed_tokens(tokens)
+        self.fast_state = base.embed_tokens(tokens)
 
     def hints(self, layer: int, ids: list[int], resid: Tensor | None) -> list[tuple[int, list[int], str, int]]:
         nxt = self.next_sparse.get(layer)
@@ -371,20 +320,22 @@ class M2R2Prefetch(Policy):
     def after_fetch(self, layer: int) -> None:
         """Run the fast layers whose base layer the slow stream has reached; prefetch what they predict."""
         path = self.fast.cfg.path
-        while self.f is not None and self.j < self.depth and path[self.j] <= layer:
-            b = path[self.j]
-            block, lora = self.fast.layer(self.j)
+        while self.fast_state is not None and self.fast_done < self.depth and path[self.fast_done] <= layer:
+            b = path[self.fast_done]
+            block, lora = self.fast.layer(self.fast_done)
             moe = block.mlp if isinstance(block.mlp, MoE) else None
             if moe is not None:
                 moe.source = self.cache_only
             try:
-                self.f, _ = fast_layer(block, self.f, self.cos, self.sin, self.kv.view(b, self.pos), self.mask, lora)
+                self.fast_state, _ = fast_layer(
+                    block, self.fast_state, self.cos, self.sin, self.kv.view(b, self.pos), self.mask, lora
+                )
             finally:
                 if moe is not None:
                     moe.source = self
                 self.cache_only.release()
-            self.j += 1
-            preds = [(t, self.gate(t, self.f)) for t in self.targets[self.j] if t > layer]
+            self.fast_done += 1
+            preds = [(t, self.gate(t, self.fast_state)) for t in self.targets[self.fast_done] if t > layer]
             now = self.time_of(layer)
             with self.cache.cond:
                 for t, ids in preds:
@@ -408,7 +359,7 @@ class Oracle(Policy):
             horizon = max(1, (cache.capacity - e) // k)
         self.horizon = horizon
         self.flat = sorted(
-            (s * self.n + layer, s, layer, ids) for s, step in enumerate(trace) for layer, ids in step.items()
+            (s * self.num_layers + layer, s, layer, ids) for s, step in enumerate(trace) for layer, ids in step.items()
         )
         self.times = [x[0] for x in self.flat]
         self.upto = 0  # index into flat of the first entry not yet requested

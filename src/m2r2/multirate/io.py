@@ -23,7 +23,13 @@ from m2r2.weightfile import sidecar  # noqa: F401 (re-exported)
 
 FORMAT = "m2r2-adapters"
 VERSION = 1
-ADAPTERS = weightfile.Kind(FORMAT, "adapter", "an m2r2 adapter config", "`m2r2 train`")
+ADAPTERS = weightfile.Kind(
+    FORMAT,
+    "adapter",
+    "an m2r2 adapter config",
+    "`m2r2 train`",
+    "no adapters ship for this base model; train some with `m2r2 train` and pass --adapters PATH",
+)
 #: Optional tensor of an adapter file: the draft head's token ids (see ``FastStream.exit_logits``).
 DRAFT_VOCAB = "draft_vocab"
 

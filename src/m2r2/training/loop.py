@@ -114,7 +114,7 @@ class DistillLoss(nn.Module):
     def __init__(self, stream: FastStream, s: TrainSettings, teacher: Transformer | None = None) -> None:
         super().__init__()
         self.stream = stream
-        self.s = s
+        self.settings = s
         object.__setattr__(self, "teacher", teacher or stream.base)
 
     teacher: Transformer
@@ -131,7 +131,7 @@ class DistillLoss(nn.Module):
     def forward(
         self, tokens: Tensor, mask: Tensor, starts: Tensor, g: torch.Generator
     ) -> tuple[Tensor, dict[str, Any]]:
-        s, stream, cfg = self.s, self.stream, self.stream.cfg
+        s, stream, cfg = self.settings, self.stream, self.stream.cfg
         base = stream.base
         h, k, v = self.slow(tokens)
         with torch.no_grad():
@@ -257,6 +257,89 @@ def run_steps(
     }
 
 
+def begin_training(s: Any, device: torch.device, records: list[dict[str, Any]]) -> tuple[Any, int, int, list]:
+    """The accelerate start both trainers share: checks, the Accelerator, this run's sequences.
+
+    Returns ``(accelerator, processes, this process's rank, sequences)``.
+    """
+    from accelerate import Accelerator
+
+    if s.batch < 1 or s.steps < 1:
+        raise SettingsError("batch and steps must be >= 1")
+    acc = Accelerator(cpu=device.type == "cpu")
+    world, rank = acc.num_processes, acc.process_index
+    if s.batch % world:
+        raise SettingsError(f"--batch {s.batch} must be a multiple of the {world} processes")
+    return acc, world, rank, make_sequences(records, s.max_len)
+
+
+class Checkpointed:
+    """What both trainers keep across ``--resume``: the trainable module, its AdamW state and
+    :class:`Progress`, bound to the base model, the trainable's config, the settings and the data.
+
+    ``extra`` entries are saved too and must match on resume (e.g. MoD's trajectory settings).
+    The checkpoint names the trainable state ``stream`` and its config ``fast_config`` whatever
+    it trains (the format of the adapters' trainer, which came first).
+    """
+
+    def __init__(
+        self,
+        s: Any,
+        trainable: nn.Module,
+        fingerprint: str,
+        config: dict[str, Any],
+        seqs: list,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        self.settings, self.trainable, self.fingerprint, self.config, self.seqs = (
+            s,
+            trainable,
+            fingerprint,
+            config,
+            seqs,
+        )
+        self.extra = extra or {}
+        self.opt = torch.optim.AdamW(trainable.parameters(), lr=s.lr, weight_decay=0.0)
+        self.path = Path(s.out) / "checkpoint.pt"
+        self.data_hash = hashlib.sha256(json.dumps(seqs).encode()).hexdigest()[:16]
+        self.prog = Progress()
+        if s.resume:
+            state = load_checkpoint(self.path, fingerprint, config, s.to_dict(), self.data_hash)
+            for key, want in self.extra.items():
+                if state.get(key) != want:
+                    raise SettingsError(f"checkpoint {self.path} was written with {state.get(key)}, this run is {want}")
+            trainable.load_state_dict(state["stream"])
+            self.opt.load_state_dict(state["optimizer"])
+            self.prog = Progress(int(state["step"]), int(state.get("tokens_seen", 0)))
+
+    def save(self) -> None:
+        """Write the checkpoint (atomically)."""
+        state = {
+            "stream": self.trainable.state_dict(),
+            "optimizer": self.opt.state_dict(),
+            "step": self.prog.step,
+            "fingerprint": self.fingerprint,
+            "fast_config": self.config,
+            "settings": self.settings.to_dict(),
+            **self.extra,
+            "data_hash": self.data_hash,
+            "tokens_seen": self.prog.tokens_seen,
+        }
+        save_checkpoint(self.path, state)
+
+    def info(self, **extra: Any) -> dict[str, Any]:
+        """What the trained file's sidecar records about the run."""
+        return {
+            **self.settings.info,
+            "steps": self.prog.step,
+            "tokens_seen": self.prog.tokens_seen,
+            "sequences": len(self.seqs),
+            "train_settings": {k: v for k, v in self.settings.to_dict().items() if k != "info"},
+            **extra,
+            "metrics": self.prog.last,
+        }
+
+
 def train(
     base: Transformer,
     fast_cfg: FastConfig,
@@ -267,56 +350,23 @@ def train(
     log: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Train adapters + ARLA on distilled ``records``; writes checkpoints and adapters under ``s.out``."""
-    from accelerate import Accelerator
-
-    if s.batch < 1 or s.steps < 1 or s.gamma_max < 1:
+    if s.gamma_max < 1:
         raise SettingsError("batch, steps and gamma_max must be >= 1")
-    acc = Accelerator(cpu=base.device.type == "cpu")
-    world, rank = acc.num_processes, acc.process_index
-    if s.batch % world:
-        raise SettingsError(f"--batch {s.batch} must be a multiple of the {world} processes")
-    seqs = make_sequences(records, s.max_len)
+    acc, world, rank, seqs = begin_training(s, base.device, records)
     torch.manual_seed(s.seed)
     stream = FastStream(base, fast_cfg).to(base.device)
     if s.init and not s.resume:
         s.info["init"] = {"path": s.init, "tensors": init_from(stream, Path(s.init))}
     module = DistillLoss(stream, s, teacher)
-    opt = torch.optim.AdamW(stream.parameters(), lr=s.lr, weight_decay=0.0)
-    ckpt = Path(s.out) / "checkpoint.pt"
-    prog = Progress()
-    data_hash = hashlib.sha256(json.dumps(seqs).encode()).hexdigest()[:16]
-    if s.resume:
-        state = load_checkpoint(ckpt, fingerprint, fast_cfg.to_dict(), s.to_dict(), data_hash)
-        stream.load_state_dict(state["stream"])
-        opt.load_state_dict(state["optimizer"])
-        prog = Progress(int(state["step"]), int(state.get("tokens_seen", 0)))
-    module, opt = acc.prepare(module, opt)
+    run = Checkpointed(s, stream, fingerprint, fast_cfg.to_dict(), seqs)
+    module, opt = acc.prepare(module, run.opt)
 
     def save() -> None:
         if not acc.is_main_process:
             return
-        st = {
-            "stream": stream.state_dict(),
-            "optimizer": opt.state_dict(),
-            "step": prog.step,
-            "fingerprint": fingerprint,
-            "fast_config": fast_cfg.to_dict(),
-            "settings": s.to_dict(),
-            "data_hash": data_hash,
-            "tokens_seen": prog.tokens_seen,
-        }
-        save_checkpoint(ckpt, st)
-        info = {
-            **s.info,
-            "steps": prog.step,
-            "tokens_seen": prog.tokens_seen,
-            "sequences": len(seqs),
-            "train_settings": {k: v for k, v in s.to_dict().items() if k != "info"},
-            "metrics": prog.last,
-        }
-        save_adapters(
-            Path(s.out) / "adapters.safetensors", stream, fingerprint, dtype=getattr(torch, s.adapter_dtype), **info
-        )
+        run.save()
+        adapters = Path(s.out) / "adapters.safetensors"
+        save_adapters(adapters, stream, fingerprint, dtype=getattr(torch, s.adapter_dtype), **run.info())
 
     ema: float | None = None
 
@@ -334,4 +384,4 @@ def train(
         metrics = {"align": met["align"], "kl": met["kl"], "arla": met["arla"], "agree_ema": ema}
         return loss, metrics, int(mask.sum()) * world
 
-    return {**run_steps(acc, s, opt, prog, one_step, save, log), "stream": stream}
+    return {**run_steps(acc, s, opt, run.prog, one_step, save, log), "stream": stream}

@@ -27,8 +27,6 @@ Data order is a function of ``(seed, step)`` only, so a resumed run continues bi
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -46,8 +44,7 @@ from m2r2.decoding.mixture_of_depths import (  # noqa: F401 (RouterConfig, load_
 )
 from m2r2.errors import SettingsError
 from m2r2.model import Block, Transformer
-from m2r2.training.checkpoint import load_checkpoint, save_checkpoint
-from m2r2.training.loop import Progress, batch_indices, collate, make_sequences, run_steps
+from m2r2.training.loop import Checkpointed, batch_indices, begin_training, collate, run_steps
 
 # --------------------------------------------------------------------------- soft-routed forward
 
@@ -173,61 +170,23 @@ def train_mod(
     log: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Train routers on distilled ``records``; checkpoints and ``routers.safetensors`` go under ``s.out``."""
-    from accelerate import Accelerator
-
-    if s.batch < 1 or s.steps < 1:
-        raise SettingsError("batch and steps must be >= 1")
     if s.lam < 0:
         raise SettingsError(f"the compute penalty weight must be >= 0, got {s.lam}")
-    acc = Accelerator(cpu=model.device.type == "cpu")
-    world, rank = acc.num_processes, acc.process_index
-    if s.batch % world:
-        raise SettingsError(f"--batch {s.batch} must be a multiple of the {world} processes")
+    acc, world, rank, seqs = begin_training(s, model.device, records)
     model.requires_grad_(False).eval()
-    seqs = make_sequences(records, s.max_len)
     cfg = RouterConfig.build(model.cfg.num_layers, model.cfg.hidden_size, always_on)
     routers = Routers(cfg, s.init_bias).to(model.device)
     module = MoDLoss(routers, model, s.lam, s.hard)
-    opt = torch.optim.AdamW(routers.parameters(), lr=s.lr, weight_decay=0.0)
-    ckpt = Path(s.out) / "checkpoint.pt"
     traj = {**{k: v for k, v in s.to_dict().items() if k in MOD_TRAJECTORY_KEYS}, "dtype": str(model.dtype)}
-    prog = Progress()
-    data_hash = hashlib.sha256(json.dumps(seqs).encode()).hexdigest()[:16]
-    if s.resume:
-        # "stream"/"fast_config" are the checkpoint format's names for the trainable state and its config
-        state = load_checkpoint(ckpt, fingerprint, cfg.to_dict(), s.to_dict(), data_hash)
-        if state.get("mod_trajectory") != traj:
-            raise SettingsError(f"checkpoint {ckpt} was written with {state.get('mod_trajectory')}, this run is {traj}")
-        routers.load_state_dict(state["stream"])
-        opt.load_state_dict(state["optimizer"])
-        prog = Progress(int(state["step"]), int(state.get("tokens_seen", 0)))
-    module, opt = acc.prepare(module, opt)
+    run = Checkpointed(s, routers, fingerprint, cfg.to_dict(), seqs, extra={"mod_trajectory": traj})
+    module, opt = acc.prepare(module, run.opt)
 
     def save() -> None:
-        if not acc.is_main_process:
-            return
-        st = {
-            "stream": routers.state_dict(),
-            "optimizer": opt.state_dict(),
-            "step": prog.step,
-            "fingerprint": fingerprint,
-            "fast_config": cfg.to_dict(),
-            "settings": s.to_dict(),
-            "mod_trajectory": traj,
-            "data_hash": data_hash,
-            "tokens_seen": prog.tokens_seen,
-        }
-        save_checkpoint(ckpt, st)
-        info = {
-            **s.info,
-            "steps": prog.step,
-            "tokens_seen": prog.tokens_seen,
-            "sequences": len(seqs),
-            "train_settings": {k: v for k, v in s.to_dict().items() if k != "info"},
-            "train_dtype": traj["dtype"],
-            "metrics": prog.last,
-        }
-        save_routers(Path(s.out) / "routers.safetensors", routers, fingerprint, **info)
+        if acc.is_main_process:
+            run.save()
+            save_routers(
+                Path(s.out) / "routers.safetensors", routers, fingerprint, **run.info(train_dtype=traj["dtype"])
+            )
 
     def one_step(step: int) -> tuple[Tensor, dict[str, float], int]:
         batch = [seqs[i] for i in batch_indices(len(seqs), step, s.batch, s.seed)[rank::world]]
@@ -237,4 +196,4 @@ def train_mod(
         loss, met = module(tokens.to(dev), mask.to(dev), routable.to(dev))
         return loss, met, int(mask.sum()) * world
 
-    return {**run_steps(acc, s, opt, prog, one_step, save, log), "routers": routers}
+    return {**run_steps(acc, s, opt, run.prog, one_step, save, log), "routers": routers}
