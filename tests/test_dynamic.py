@@ -13,14 +13,8 @@ import torch
 from m2r2.config import ModelConfig
 from m2r2.decoding.autoregressive import Autoregressive
 from m2r2.decoding.base import GenerationConfig
-from m2r2.decoding.dynamic import (
-    BaseLayerExit,
-    CalmExit,
-    FastStreamExit,
-    SkipDecoding,
-    StaticExit,
-    skip_schedule,
-)
+from m2r2.decoding.dynamic import FastStreamExit
+from m2r2.decoding.exits import BaseLayerExit, CalmExit, SkipDecoding, StaticExit, skip_schedule
 from m2r2.errors import SettingsError
 from m2r2.model import Transformer
 from m2r2.multirate.fast import FastConfig, FastStream

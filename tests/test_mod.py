@@ -12,12 +12,12 @@ import torch
 from m2r2.config import ModelConfig
 from m2r2.decoding.autoregressive import Autoregressive
 from m2r2.decoding.base import GenerationConfig
-from m2r2.decoding.mod import MixtureOfDepths, check_threshold
+from m2r2.decoding.mixture_of_depths import MixtureOfDepths, check_threshold
 from m2r2.errors import SettingsError, WeightsError
 from m2r2.model import Transformer
 from m2r2.multirate.io import tensor_fingerprint
 from m2r2.training.loop import collate, make_sequences
-from m2r2.training.mod import (
+from m2r2.training.mixture_of_depths import (
     MoDLoss,
     MoDSettings,
     RouterConfig,
@@ -199,8 +199,8 @@ def test_engine_refuses_bad_options_and_missing_routers(tiny_model):
 def test_shipped_routers_do_not_shadow_shipped_adapters():
     from importlib import resources
 
+    from m2r2.decoding.mixture_of_depths import bundled_routers
     from m2r2.multirate.io import bundled_adapters
-    from m2r2.training.mod import bundled_routers
 
     root = Path(str(resources.files("m2r2") / "adapters"))
     if not (root / "smollm2-135m-mod.json").is_file():

@@ -138,7 +138,7 @@ def test_q4_kernel_recovers_q4_1_weights_exactly() -> None:
     ``d`` and ``m`` are powers-of-two multiples so every weight, scale and zero is exact in bf16; a
     one-hot input row then reads one weight column straight out of the kernel.
     """
-    from m2r2.model import Int4Linear
+    from m2r2.kernels import Int4Linear
 
     if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
         pytest.skip("the 4-bit CPU kernel is unavailable here")
@@ -160,7 +160,7 @@ def test_q4_kernel_recovers_q4_1_weights_exactly() -> None:
 
 
 def test_auto_kernel_prefers_q4_for_bf16_on_cpu(tiny_model) -> None:
-    from m2r2.model import mkldnn_usable, q4_usable
+    from m2r2.kernels import mkldnn_usable, q4_usable
 
     d = tiny_model(hidden_size=64)
     plain = load_model(d, torch.bfloat16, kernel="plain").model

@@ -218,7 +218,7 @@ def test_shipped_adapters_load_by_default_on_bundled_model():
 
 @pytest.mark.parametrize("kernel", ["plain", "mkldnn", "q4"])
 def test_merged_fast_layers_match_low_rank_deltas_and_leave_base_alone(kernel):
-    from m2r2.model import mkldnn_usable, q4_usable, use_kernels
+    from m2r2.kernels import mkldnn_usable, q4_usable, use_kernels
 
     torch.manual_seed(8)  # widths that fit every kernel (q4 wants multiples of 32)
     cfg = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=6, num_heads=4, num_kv_heads=2)
@@ -243,9 +243,12 @@ def test_merged_fast_layers_match_low_rank_deltas_and_leave_base_alone(kernel):
         plain.use_adapters = False
         base_states = plain.freeze().draft_step(tokens[:, 8:], cache, 8).states
     if kernel != "q4":  # folding changes the kernel, not the function: equal up to rounding
-        tol = 1e-4 if kernel == "plain" else 0.1
+        # bf16: folding rounds W + BA once, the delta path rounds W and BA x apart; through 3 layers of
+        # states up to ~20 (bf16 step 0.125) that measured up to 4 steps apart on a CPU without native
+        # bf16 instructions (0.1 held on an AMX CPU), so the absolute bound scales with the state size
         for a, b in zip(lora.states, merged.states, strict=True):
-            torch.testing.assert_close(b.float(), a.float(), atol=tol, rtol=tol)
+            atol = 1e-4 if kernel == "plain" else max(0.1, 0.025 * float(a.float().abs().max()))
+            torch.testing.assert_close(b.float(), a.float(), atol=atol, rtol=1e-4 if kernel == "plain" else 0.1)
     # q4 re-quantizes W + BA (lossy on random weights), still far closer to the adapted stream than the base
     err = (merged.states[-1] - lora.states[-1]).float().norm()
     assert err < 0.5 * (base_states[-1] - lora.states[-1]).float().norm()

@@ -21,7 +21,7 @@ from m2r2.decoding.base import GenerationConfig
 from m2r2.engine import Engine
 from m2r2.serve.app import background, build, create_app
 from m2r2.serve.protocol import TextStream
-from m2r2.serve.scheduler import Scheduler, greedy_safe
+from m2r2.serve.scheduler import Scheduler
 
 MODEL = "tiny"
 
@@ -70,7 +70,7 @@ def solo(engine: Engine, ids: list[int], max_tokens: int, method: str = "vanilla
 @pytest.mark.parametrize("kernel", ["plain", "mkldnn", "q4"])
 def test_step_rows_gives_each_sequence_its_lone_step_bits(kernel):
     """Sequences of different lengths and cache capacities in one step: each row = a lone step, K/V too."""
-    from m2r2.model import mkldnn_usable, q4_usable, use_kernels
+    from m2r2.kernels import mkldnn_usable, q4_usable, use_kernels
     from test_speculative import tiny_model as random_model
 
     model = random_model(4, dtype=torch.bfloat16)
@@ -95,12 +95,6 @@ def test_step_rows_gives_each_sequence_its_lone_step_bits(kernel):
             toks = [int(model.head(hidden[b : b + 1])[0, 0].argmax()) for b in range(3)]
         for a, b in zip(batch, alone, strict=True):
             assert a.length == b.length and torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
-
-
-def test_greedy_safe_flags_only_clear_leaders():
-    logits = torch.tensor([[10.0, 9.0, 0.0], [10.0, 10.0 - 2**-7, 0.0], [-3.0, -3.0, -5.0]])
-    assert greedy_safe(logits, torch.bfloat16).tolist() == [True, False, False]
-    assert greedy_safe(logits, torch.float32).tolist() == [True, True, False]
 
 
 def test_text_stream_never_sends_past_a_stop_string():

@@ -10,8 +10,9 @@ import torch
 from m2r2.config import ModelConfig
 from m2r2.decoding.autoregressive import Autoregressive
 from m2r2.decoding.base import GenerationConfig
+from m2r2.decoding.costs import CostModel
 from m2r2.decoding.lookahead import Lookahead
-from m2r2.decoding.speculative import CostModel, FastStreamDrafter, SelfSpeculative
+from m2r2.decoding.speculative import FastStreamDrafter, SelfSpeculative
 from m2r2.errors import SettingsError
 from m2r2.model import Transformer
 from m2r2.multirate.fast import FastConfig, FastStream
@@ -253,7 +254,7 @@ def test_lookahead_refuses_sampling():
 @pytest.mark.parametrize("kernel", ["plain", "mkldnn", "q4"])
 def test_verify_rows_are_bit_identical_to_decoding_steps_in_bf16(kernel):
     """Lossless speculation needs row invariance: a k-token pass gives each row a decode step's bits."""
-    from m2r2.model import mkldnn_usable, q4_usable, use_kernels
+    from m2r2.kernels import mkldnn_usable, q4_usable, use_kernels
 
     model = tiny_model(9, dtype=torch.bfloat16)
     if kernel == "mkldnn" and not mkldnn_usable(model):
@@ -301,7 +302,7 @@ def assert_branch_rows_match_decoding(model: Transformer, prefix: int, vocab: in
 
 @pytest.mark.parametrize("kernel", ["plain", "mkldnn", "q4"])
 def test_lookahead_branch_rows_are_bit_identical_to_decoding_steps_in_bf16(kernel):
-    from m2r2.model import mkldnn_usable, q4_usable, use_kernels
+    from m2r2.kernels import mkldnn_usable, q4_usable, use_kernels
 
     model = tiny_model(9, vocab=256, dtype=torch.bfloat16, head_dim=64)
     if kernel == "mkldnn" and not mkldnn_usable(model):
@@ -352,7 +353,7 @@ def test_cost_cache_reuses_fresh_measurements_and_remeasures_bad_ones(tmp_path, 
     import os
     import time
 
-    from m2r2.decoding import speculative
+    from m2r2.decoding import costs
 
     calls: list[int] = []
 
@@ -361,16 +362,16 @@ def test_cost_cache_reuses_fresh_measurements_and_remeasures_bad_ones(tmp_path, 
         return CostModel(draft=0.5, verify=[1.0, 1.1, 1.2])
 
     path = tmp_path / "costs" / "k.json"
-    first = speculative.cached_costs(path, measure)
+    first = costs.cached_costs(path, measure)
     assert calls == [1] and json.loads(path.read_text()) == {"draft": 0.5, "verify": [1.0, 1.1, 1.2]}
-    assert speculative.cached_costs(path, measure) == first and calls == [1]  # reused
-    old = time.time() - speculative.COST_CACHE_MAX_AGE_S - 10
+    assert costs.cached_costs(path, measure) == first and calls == [1]  # reused
+    old = time.time() - costs.COST_CACHE_MAX_AGE_S - 10
     os.utime(path, (old, old))
-    speculative.cached_costs(path, measure)
+    costs.cached_costs(path, measure)
     assert calls == [1, 1]  # too old: measured again (and rewritten)
     for bad in ("{", '{"draft": 0.5}', '{"draft": 0, "verify": [1.0]}', '{"draft": 1, "verify": []}'):
         path.write_text(bad)
-        assert speculative.cached_costs(path, measure) == first
+        assert costs.cached_costs(path, measure) == first
     assert len(calls) == 6
 
     # the key follows what timings depend on: the drafter's shape, not its adapter values
@@ -380,8 +381,8 @@ def test_cost_cache_reuses_fresh_measurements_and_remeasures_bad_ones(tmp_path, 
     model = tiny_model(0)
     FakeEngine.model = model  # type: ignore[attr-defined]
     monkeypatch.setenv("M2R2_CACHE", str(tmp_path))
-    a = speculative.cost_cache_path(FakeEngine(), fast_stream(model, 2, 0.0, 0), 8)  # type: ignore[arg-type]
-    b = speculative.cost_cache_path(FakeEngine(), fast_stream(model, 2, 0.3, 1), 8)  # type: ignore[arg-type]
-    c = speculative.cost_cache_path(FakeEngine(), fast_stream(model, 3, 0.0, 0), 8)  # type: ignore[arg-type]
-    d = speculative.cost_cache_path(FakeEngine(), fast_stream(model, 2, 0.0, 0), 4)  # type: ignore[arg-type]
+    a = costs.cost_cache_path(FakeEngine(), fast_stream(model, 2, 0.0, 0), 8)  # type: ignore[arg-type]
+    b = costs.cost_cache_path(FakeEngine(), fast_stream(model, 2, 0.3, 1), 8)  # type: ignore[arg-type]
+    c = costs.cost_cache_path(FakeEngine(), fast_stream(model, 3, 0.0, 0), 8)  # type: ignore[arg-type]
+    d = costs.cost_cache_path(FakeEngine(), fast_stream(model, 2, 0.0, 0), 4)  # type: ignore[arg-type]
     assert a == b and len({a, c, d}) == 3 and a.parent == tmp_path / "costs"

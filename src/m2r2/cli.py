@@ -1,19 +1,21 @@
-"""Command-line interface: argument parsing only; the work happens in the modules it calls."""
+"""Command-line interface: argument parsing and printing only; the work happens in the modules it calls.
+
+Over 450 lines because it is the parser: one ``add_argument`` per flag, each with the help a user
+reads. Nothing heavy is imported at the top, so ``m2r2 --help`` and ``--version`` stay instant.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shlex
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from m2r2.errors import M2R2Error, SettingsError
-
-DEFAULT_PROMPT_SYSTEM = None
-#: Training prompts shared by the project (relative to the repository root).
-DEFAULT_TRAIN_PROMPTS = Path("../shared/data/train/prompts.jsonl")
+from m2r2.errors import InputError, M2R2Error, SettingsError
+from m2r2.paths import DEFAULT_ANSWERS, DEFAULT_TRAIN_PROMPTS
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -44,9 +46,28 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
 
 
+def _add_train_args(
+    p: argparse.ArgumentParser, out: str, what: str, steps: int, max_len: int, lr: float, warmup: int
+) -> None:
+    """The flags ``train`` and ``train-mod`` share (their defaults differ)."""
+    p.add_argument("--data", default=str(DEFAULT_ANSWERS), help=f"distilled answers JSONL (default {DEFAULT_ANSWERS})")
+    p.add_argument("--out", default=out, help=f"checkpoint and {what} directory (default {out})")
+    p.add_argument("--steps", type=int, default=steps, help=f"maximum optimizer steps (default {steps})")
+    p.add_argument("--minutes", type=float, default=0.0, help="wall-clock budget in minutes (0 = none)")
+    p.add_argument("--batch", type=int, default=4, help="sequences per step over all processes (default 4)")
+    p.add_argument("--max-len", type=int, default=max_len, help=f"tokens per sequence (default {max_len})")
+    p.add_argument("--lr", type=float, default=lr, help=f"AdamW learning rate (default {lr:g})")
+    p.add_argument("--warmup", type=int, default=warmup, help=f"linear warm-up steps (default {warmup})")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ckpt-minutes", type=float, default=5.0, help="checkpoint interval (default 5 minutes)")
+    p.add_argument("--resume", action="store_true", help="continue from --out/checkpoint.pt")
+    p.add_argument("--model", default=os.environ.get("M2R2_MODEL"), help="base model (default smollm2-135m)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default cpu)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads per process")
+
+
 def _add_gen_args(p: argparse.ArgumentParser) -> None:
-    from m2r2.decoding import method_help
-    from m2r2.engine import AUTO_METHOD
+    from m2r2.decoding import AUTO_METHOD, DEFAULT_METHOD, method_help
 
     g = p.add_argument_group("generation")
     methods = {
@@ -56,7 +77,7 @@ def _add_gen_args(p: argparse.ArgumentParser) -> None:
     }
     g.add_argument(
         "--method",
-        default=AUTO_METHOD,
+        default=DEFAULT_METHOD,
         help="decoding method: " + "; ".join(f"{k}: {v}" for k, v in methods.items()),
     )
     g.add_argument("--max-new-tokens", type=int, default=256, help="token budget of the answer (default 256)")
@@ -139,12 +160,18 @@ class _Printer:
             self.shown = text
 
 
+def _read_stdin() -> str:
+    """All of stdin; bytes that are not UTF-8 are kept as surrogates for the tokenizer's one-line error."""
+    raw = getattr(sys.stdin, "buffer", None)
+    return raw.read().decode("utf-8", "surrogateescape") if raw is not None else sys.stdin.read()
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
-    from m2r2.engine import AUTO_METHOD
+    from m2r2.decoding import AUTO_METHOD
     from m2r2.tokenizer import messages_for
 
     gen = _gen_config(args)
-    prompt = args.prompt if args.prompt != "-" else sys.stdin.read()
+    prompt = args.prompt if args.prompt != "-" else _read_stdin()
     if not prompt.strip():
         raise M2R2Error("the prompt is empty")
     engine = _engine(args, quiet=args.json)
@@ -223,7 +250,8 @@ def _fraction(text: str) -> float:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from m2r2.bench.harness import BenchSettings, run_bench
+    from m2r2.bench.harness import run_bench
+    from m2r2.bench.results import BenchSettings, check_out_dir
 
     if args.suite == "serve":
         return _bench_serve(args)
@@ -239,7 +267,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         cache_fractions=[_fraction(f) for f in _csv(args.cache_fractions) or []] or None,
         policies=_csv(args.policies),
         adapters=Path(args.adapters) if args.adapters else None,
+        full=args.full,
+        command=shlex.join(["m2r2", *args.argv]),
     )
+    check_out_dir(settings)  # before loading or building any model
     if args.suite == "moe" and not args.model:  # the MoEfied bundled model, built once into the cache
         from m2r2.moe.moefy import moefy_default
 
@@ -314,11 +345,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     import torch
 
     from m2r2.loading import load_model, resolve_model
+    from m2r2.machine import set_threads
     from m2r2.training.distill import load_distilled
     from m2r2.training.loop import TrainSettings, train
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     model_dir = resolve_model(args.model)
     loaded = load_model(model_dir, torch.float32, args.device or "cpu", kernel="plain")
     teacher = None
@@ -360,11 +391,11 @@ def cmd_train_mod(args: argparse.Namespace) -> int:
     import torch
 
     from m2r2.loading import load_model, resolve_model
+    from m2r2.machine import set_threads
     from m2r2.training.distill import load_distilled
-    from m2r2.training.mod import MoDSettings, train_mod
+    from m2r2.training.mixture_of_depths import MoDSettings, train_mod
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     loaded = load_model(resolve_model(args.model), dtype, args.device or "cpu", kernel="plain")
     records = load_distilled(Path(args.data))
@@ -390,75 +421,49 @@ def cmd_train_mod(args: argparse.Namespace) -> int:
 
 
 def cmd_eval_align(args: argparse.Namespace) -> int:
-    import torch
+    from m2r2.multirate.io import adapter_kind, read_meta
+    from m2r2.training.evaluate import eval_align, markdown
 
-    from m2r2.multirate.io import load_default
-    from m2r2.training.distill import generate_batch
-    from m2r2.training.evaluate import align_report, eval_prompts, markdown
-
+    if args.adapters and adapter_kind(read_meta(Path(args.adapters))["config"]) == "seeded":
+        args.dtype, args.kernel = "fp32", "plain"  # the seeded report runs the training form in float32
     engine = _engine(args, quiet=args.json)
-    stream = load_default(engine.model, engine.fingerprint, Path(args.adapters) if args.adapters else None)
-    stream.to(engine.model.device).freeze(merge=args.merged)
-    prompts = eval_prompts(args.dataset, Path(args.eval_root), args.limit)
-    ids = [engine.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in prompts]
-    records: list[dict] = []
-    saved = Path(args.answers) if args.answers else None
-    if saved is not None and saved.is_file():  # the base model's answers, reused across adapters
-        records = [json.loads(x) for x in saved.read_text().splitlines() if x.strip()]
-        if [r["prompt_ids"] for r in records] != ids:
-            raise M2R2Error(f"{saved} holds answers to other prompts; delete it or pick another path")
-    with torch.inference_mode():
-        for i in range(0 if not records else len(ids), len(ids), args.batch):
-            answers = generate_batch(
-                engine.model, ids[i : i + args.batch], args.max_new_tokens, engine.tokenizer.eos_ids
-            )
-            records += [
-                {"prompt_ids": p, "answer_ids": a} for p, a in zip(ids[i : i + args.batch], answers, strict=True)
-            ]
-        if saved is not None and not saved.is_file():
-            saved.parent.mkdir(parents=True, exist_ok=True)
-            saved.write_text("".join(json.dumps(r) + "\n" for r in records))
-        rep = align_report(stream, records, block=args.block)
-    rep["dataset"], rep["prompts"] = args.dataset, len(prompts)
-    print(json.dumps(rep, indent=2) if args.json else markdown(rep))
+    rep = eval_align(
+        engine,
+        args.dataset,
+        Path(args.eval_root),
+        args.limit,
+        args.max_new_tokens,
+        args.batch,
+        args.block,
+        adapters=Path(args.adapters) if args.adapters else None,
+        answers=Path(args.answers) if args.answers else None,
+        merged=args.merged,
+    )
+    print(json.dumps(rep, indent=2) if args.json or rep.get("kind") == "seeded" else markdown(rep))
     return 0
 
 
 def cmd_draft_vocab(args: argparse.Namespace) -> int:
-    from m2r2.multirate.io import bundled_adapters, load_adapters, read_meta, save_adapters
-    from m2r2.training.vocab import build_from_files
+    from m2r2.training.vocab import write_draft_vocab
 
     engine = _engine(args, quiet=True)
-    src = Path(args.adapters) if args.adapters else bundled_adapters(engine.fingerprint)
-    if src is None:
-        raise M2R2Error("no adapters ship for this base model; pass --adapters PATH")
-    stream = load_adapters(src, engine.model, engine.fingerprint)
-    hf = engine.tokenizer.hf
-
-    def encode(texts: list[str]) -> list[list[int]]:
-        return hf(texts, add_special_tokens=False)["input_ids"]
-
-    prompts = Path(args.prompts) if args.prompts else None
-    size = min(args.size, engine.model.cfg.vocab_size)
-    stream.draft_vocab = build_from_files(
-        Path(args.data), prompts, size, engine.model.cfg.vocab_size, engine.tokenizer.eos_ids, encode
+    out, size = write_draft_vocab(
+        engine,
+        Path(args.adapters) if args.adapters else None,
+        Path(args.data),
+        Path(args.prompts) if args.prompts else None,
+        args.size,
+        Path(args.out) if args.out else None,
     )
-    written = ("format", "version", "config", "base_fingerprint", "weights_sha256", "dtype")  # save_adapters' own
-    info = {k: v for k, v in read_meta(src).items() if k not in written}
-    info["draft_vocab"] = {"size": size, "data": str(args.data), "prompts": str(prompts) if prompts else None}
-    out = Path(args.out) if args.out else src
-    save_adapters(out, stream, engine.fingerprint, **info)
-    print(json.dumps({"adapters": str(out.with_suffix(".safetensors")), "draft_vocab": size}))
+    print(json.dumps({"adapters": str(out), "draft_vocab": size}))
     return 0
 
 
 def cmd_moefy(args: argparse.Namespace) -> int:
-    import torch
-
+    from m2r2.machine import set_threads
     from m2r2.moe.moefy import DEFAULT_EXPERTS, DEFAULT_SHARED, DEFAULT_TOP_K, moefy_default
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     out = moefy_default(
         experts=args.experts or DEFAULT_EXPERTS,
         top_k=args.top_k or DEFAULT_TOP_K,
@@ -512,8 +517,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument(
         "--dataset",
-        default="mt_bench",
-        help="mt_bench, koala, self_instruct, wizardlm, vicuna, spec_bench, builtin, or a JSONL path",
+        default=None,
+        help="mt_bench (default), koala, self_instruct, wizardlm, vicuna, spec_bench, builtin, or a JSONL path; "
+        "with --suite dynamic or moe, the one dataset to run instead of the suite's own",
+    )
+    b.add_argument(
+        "--full",
+        action="store_true",
+        help="--suite dynamic: the full knob sweep (default: a few chosen points that run in minutes)",
     )
     b.add_argument(
         "--suite",
@@ -582,7 +593,7 @@ def build_parser() -> argparse.ArgumentParser:
         "a rerun resumes where an interrupted run stopped. Eval sets are refused.",
     )
     d.add_argument("--prompts", default=str(DEFAULT_TRAIN_PROMPTS), help="training prompts JSONL (never an eval set)")
-    d.add_argument("--out", default="runs/distill/answers.jsonl", help="output JSONL (appended; resumable)")
+    d.add_argument("--out", default=str(DEFAULT_ANSWERS), help="output JSONL (appended; resumable)")
     d.add_argument("--limit", type=int, default=2000, help="number of prompts to answer (0 = all)")
     d.add_argument("--max-new-tokens", type=int, default=256, help="answer length cap (default 256)")
     d.add_argument("--max-prompt-tokens", type=int, default=384, help="skip longer prompts (default 384)")
@@ -596,26 +607,16 @@ def build_parser() -> argparse.ArgumentParser:
         description="Self-distillation on `m2r2 distill-data` output. Checkpoints to --out every few minutes "
         "(atomically); --resume continues bit-for-bit. Works under `accelerate launch` / torchrun.",
     )
-    t.add_argument("--data", default="runs/distill/answers.jsonl", help="distilled answers JSONL")
-    t.add_argument("--out", default="runs/train", help="checkpoint and adapter directory (default runs/train)")
+    _add_train_args(t, out="runs/train", what="adapter", steps=1000, max_len=384, lr=1e-3, warmup=20)
     t.add_argument("--rate", type=int, default=None, help="R: fast layer j is aligned to slow layer R*j (default 3)")
     t.add_argument("--depth", type=int, default=None, help="K fast layers (default ceil(N/R))")
     t.add_argument("--path", default="prefix", help="prefix (base layers 1..K), strided (R, 2R, ..) or 1-based list")
     t.add_argument("--rank", type=int, default=16, help="adapter rank (default 16)")
     t.add_argument("--exits", default=None, help="comma list of fast layers trained as exits (default: the last)")
-    t.add_argument("--steps", type=int, default=1000, help="maximum optimizer steps (default 1000)")
-    t.add_argument("--minutes", type=float, default=0.0, help="wall-clock budget in minutes (0 = none)")
-    t.add_argument("--batch", type=int, default=4, help="sequences per step over all processes (default 4)")
-    t.add_argument("--max-len", type=int, default=384, help="tokens per sequence (default 384)")
-    t.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
-    t.add_argument("--warmup", type=int, default=20, help="linear warm-up steps (default 20)")
     t.add_argument("--gamma-max", type=int, default=6, help="longest emulated draft block (default 6)")
     t.add_argument("--align-w", type=float, default=1.0, help="weight of the cosine alignment loss")
     t.add_argument("--kl-w", type=float, default=1.0, help="weight of the KL loss at exits")
     t.add_argument("--arla-w", type=float, default=0.1, help="weight of the ARLA router loss")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--ckpt-minutes", type=float, default=5.0, help="checkpoint interval (default 5 minutes)")
-    t.add_argument("--resume", action="store_true", help="continue from --out/checkpoint.pt")
     t.add_argument(
         "--init",
         default=None,
@@ -625,9 +626,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument("--adapter-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     t.add_argument("--teacher", default="fp32", choices=["fp32", "bf16"], help="precision of the slow pass")
-    t.add_argument("--model", default=os.environ.get("M2R2_MODEL"), help="base model (default smollm2-135m)")
-    t.add_argument("--device", default=None, help="cpu or cuda (default cpu)")
-    t.add_argument("--threads", type=int, default=None, help="torch CPU threads per process")
     t.set_defaults(func=cmd_train)
 
     tm = sub.add_parser(
@@ -636,14 +634,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="KL to the full model + a compute penalty on soft gates; only the routers train. "
         "Checkpoints to --out atomically; --resume continues bit-for-bit.",
     )
-    tm.add_argument("--data", default="runs/train/data.jsonl", help="distilled answers JSONL")
-    tm.add_argument("--out", default="runs/mod", help="checkpoint and router directory (default runs/mod)")
-    tm.add_argument("--steps", type=int, default=100_000, help="maximum optimizer steps")
-    tm.add_argument("--minutes", type=float, default=0.0, help="wall-clock budget in minutes (0 = none)")
-    tm.add_argument("--batch", type=int, default=4, help="sequences per step (default 4)")
-    tm.add_argument("--max-len", type=int, default=256, help="tokens per sequence (default 256)")
-    tm.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
-    tm.add_argument("--warmup", type=int, default=10, help="linear warm-up steps (default 10)")
+    _add_train_args(tm, out="runs/mod", what="router", steps=100_000, max_len=256, lr=3e-3, warmup=10)
     tm.add_argument("--lam", type=float, default=1.0, help="weight of the compute penalty (mean gate)")
     tm.add_argument(
         "--always-on", default=None, help="comma list of 0-based blocks without a router (default: first, last)"
@@ -652,12 +643,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--soft", action="store_true", help="soft gates in training (default: straight-through hard gates at 0.5)"
     )
     tm.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="precision of the frozen model")
-    tm.add_argument("--seed", type=int, default=0)
-    tm.add_argument("--ckpt-minutes", type=float, default=5.0, help="checkpoint interval (default 5 minutes)")
-    tm.add_argument("--resume", action="store_true", help="continue from --out/checkpoint.pt")
-    tm.add_argument("--model", default=os.environ.get("M2R2_MODEL"), help="base model (default smollm2-135m)")
-    tm.add_argument("--device", default=None, help="cpu or cuda (default cpu)")
-    tm.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     tm.set_defaults(func=cmd_train_mod)
 
     e = sub.add_parser(
@@ -691,10 +676,8 @@ def build_parser() -> argparse.ArgumentParser:
         "training prompts'; end-of-sequence ids are always kept. Rewrites the adapter file atomically.",
     )
     dv.add_argument("--adapters", default=None, help="adapter .safetensors (default: the shipped ones)")
-    dv.add_argument("--data", default="runs/train/data.jsonl", help="distilled answers JSONL (m2r2 distill-data)")
-    dv.add_argument(
-        "--prompts", default="../shared/data/train/prompts.jsonl", help="training prompts JSONL ('' to skip)"
-    )
+    dv.add_argument("--data", default=str(DEFAULT_ANSWERS), help="distilled answers JSONL (m2r2 distill-data)")
+    dv.add_argument("--prompts", default=str(DEFAULT_TRAIN_PROMPTS), help="training prompts JSONL ('' to skip)")
     dv.add_argument("--size", type=int, default=8192, help="tokens kept (default 8192 of 49152)")
     dv.add_argument("--out", default=None, help="write here instead of rewriting --adapters")
     _add_model_args(dv)
@@ -711,16 +694,146 @@ def build_parser() -> argparse.ArgumentParser:
     mf.add_argument("--top-k", type=int, default=None, help="experts per token (default 8)")
     mf.add_argument("--method", default="coact", choices=["coact", "weights"], help="neuron clustering features")
     mf.add_argument("--shared", type=int, default=None, help="FFN neurons kept in an always-on shared expert")
-    mf.add_argument("--data", default="runs/train/data.jsonl", help="distilled answers JSONL (m2r2 distill-data)")
+    mf.add_argument("--data", default=str(DEFAULT_ANSWERS), help="distilled answers JSONL (m2r2 distill-data)")
     mf.add_argument("--out", default=None, help="output directory (default: $M2R2_CACHE/models/<deterministic name>)")
     mf.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     mf.set_defaults(func=cmd_moefy)
+    _add_seeded_commands(sub)
     return p
+
+
+def _add_seeded_commands(sub: argparse._SubParsersAction) -> None:
+    st = sub.add_parser(
+        "store",
+        help="run the frozen base model once over conversations and store what fast-stream training needs",
+        description="Builds a sharded, resumable training store (final slow states and the slow K/V of the last "
+        "layers) from ../shared/data/train/conversations.jsonl, rebalanced by source. Re-running the same command "
+        "continues where it stopped. Then train with `m2r2 train-seeded --store DIR`.",
+    )
+    st.add_argument("--data", default=str(_default_conversations()), help="conversations JSONL")
+    st.add_argument("--out", default="runs/store", help="store directory (default runs/store)")
+    st.add_argument("--limit", type=int, default=0, help="stop after this many conversations in all (0 = all)")
+    st.add_argument("--minutes", type=float, default=0.0, help="stop after this many minutes of this run (0 = none)")
+    st.add_argument("--max-len", type=int, default=256, help="tokens kept per conversation (default 256)")
+    st.add_argument("--batch", type=int, default=8, help="sequences per base-model pass (default 8)")
+    st.add_argument("--kv-layers", type=int, default=4, help="store the slow K/V of this many last layers")
+    st.add_argument("--model", default=os.environ.get("M2R2_MODEL"), help="base model (default smollm2-135m)")
+    st.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    st.set_defaults(func=cmd_store)
+
+    ts = sub.add_parser(
+        "train-seeded",
+        help="train the seeded fast stream (deep layers + adapters, drafts token trees) from a training store",
+        description="Trains fuse + accelerator adapters + ARLA of the seeded fast stream on a store from `m2r2 "
+        "store`, with train-time drafting chains. Writes DIR/adapters.safetensors (+ .json); use it with "
+        "`--option adapters=DIR/adapters.safetensors` or copy it into src/m2r2/adapters/ to ship it.",
+    )
+    ts.add_argument("--store", default="runs/store", help="training store directory (default runs/store)")
+    ts.add_argument("--out", default="runs/seeded", help="checkpoint and adapter directory (default runs/seeded)")
+    ts.add_argument("--depth", type=int, default=1, help="fast layers K: the last K base layers (default 1)")
+    ts.add_argument("--rank", type=int, default=32, help="adapter rank (default 32)")
+    ts.add_argument("--chain", type=int, default=3, help="draft steps trained per position (default 3)")
+    ts.add_argument("--steps", type=int, default=100000, help="maximum optimizer steps")
+    ts.add_argument("--minutes", type=float, default=0.0, help="wall-clock budget in minutes (0 = none)")
+    ts.add_argument("--batch", type=int, default=16, help="sequences per step (default 16)")
+    ts.add_argument("--lr", type=float, default=2e-3, help="AdamW learning rate (default 2e-3)")
+    ts.add_argument("--holdout", type=int, default=48, help="store sequences kept out for validation")
+    ts.add_argument("--seed", type=int, default=0)
+    ts.add_argument("--resume", action="store_true", help="continue from --out/checkpoint.pt")
+    ts.add_argument("--draft-vocab", default=None, help="adapter file whose draft vocabulary to use (default: shipped)")
+    ts.add_argument("--model", default=os.environ.get("M2R2_MODEL"), help="base model (default smollm2-135m)")
+    ts.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ts.set_defaults(func=cmd_train_seeded)
+
+
+def _default_conversations() -> Path:
+    return Path(__file__).resolve().parents[3] / "shared" / "data" / "train" / "conversations.jsonl"
+
+
+def cmd_store(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from m2r2.engine import Engine
+    from m2r2.training.store import StoreSettings, build_store, chat_encoder
+
+    data = Path(args.data)
+    if not data.is_file():
+        raise InputError(f"{data}: no such conversations file")
+    engine = Engine(args.model, dtype="fp32", threads=args.threads)
+    s = StoreSettings(data=str(data), max_len=args.max_len, batch=args.batch, kv_layers=args.kv_layers)
+    bar = tqdm(desc="store", unit="conv", file=sys.stderr)
+
+    def progress(done: int, end: int, _: float) -> None:
+        bar.total = end
+        bar.update(done - bar.n)
+
+    man = build_store(
+        engine.model,
+        engine.fingerprint,
+        chat_encoder(engine.tokenizer),
+        Path(args.out),
+        s,
+        args.limit,
+        args.minutes,
+        progress,
+    )
+    bar.close()
+    tokens = sum(int(x["tokens"]) for x in man["shards"])
+    print(
+        json.dumps(
+            {
+                "store": args.out,
+                "conversations": man["conversations_done"],
+                "tokens": tokens,
+                "shards": len(man["shards"]),
+            }
+        )
+    )
+    return 0
+
+
+def cmd_train_seeded(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from m2r2.engine import Engine
+    from m2r2.multirate.io import bundled_adapters, load_adapters
+    from m2r2.training.seeded_train import SeededTrainSettings, train_seeded
+
+    engine = Engine(args.model, dtype="fp32", threads=args.threads)
+    src = Path(args.draft_vocab) if args.draft_vocab else bundled_adapters(engine.fingerprint, "prefix")
+    vocab = load_adapters(src, engine.model, engine.fingerprint).draft_vocab if src else None
+    s = SeededTrainSettings(
+        store=Path(args.store),
+        out=Path(args.out),
+        depth=args.depth,
+        rank=args.rank,
+        chain=args.chain,
+        steps=args.steps,
+        minutes=args.minutes,
+        batch=args.batch,
+        lr=args.lr,
+        holdout=args.holdout,
+        seed=args.seed,
+        resume=args.resume,
+        info={"base_model": str(args.model or "smollm2-135m")},
+    )
+    bar = tqdm(desc="train-seeded", unit="step", file=sys.stderr)
+
+    def log(d: dict) -> None:
+        bar.update(1)
+        bar.set_postfix(ce=f"{d['ce']:.3f}", agree="/".join(f"{a:.2f}" for a in d["agree"]), tok_s=f"{d['tok_s']:.0f}")
+
+    train_seeded(engine.model, engine.fingerprint, s, vocab, log)
+    bar.close()
+    meta = json.loads((Path(args.out) / "adapters.json").read_text())
+    print(json.dumps({"adapters": str(Path(args.out) / "adapters.safetensors"), "validation": meta["validation"]}))
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return int(args.func(args) or 0)
     except M2R2Error as e:

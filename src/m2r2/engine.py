@@ -8,49 +8,24 @@ exactly the same objects.
 from __future__ import annotations
 
 import os
-import platform
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from m2r2.decoding import build_strategy, method_names, method_options
+from m2r2.decoding import AUTO_METHOD, DEFAULT_METHOD, build_strategy, check_options, method_names
 from m2r2.decoding.base import GenerationConfig, GenerationResult, Strategy, StreamCallback, trim_stop_text
-from m2r2.errors import SettingsError, UnknownNameError
-from m2r2.loading import load_model, resolve_model
+from m2r2.errors import UnknownNameError
+from m2r2.loading import load_model, parse_dtype, resolve_model
+from m2r2.machine import default_device, set_threads
 from m2r2.model import Transformer
 from m2r2.tokenizer import ChatTokenizer, Message
 
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 #: Reference precision: plain fp32 kernels, greedy output identical to transformers' generate.
 REFERENCE_DTYPE = "fp32"
 #: Default precision, chosen by measurement on the project's CPU (BENCHMARKS.md).
 DEFAULT_DTYPE = "bf16"
-#: Method name that picks for the model: ``m2r2`` where fast-stream adapters exist for it, else ``vanilla``.
-AUTO_METHOD = "auto"
-
-
-def parse_dtype(name: str) -> torch.dtype:
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise SettingsError(f"unknown dtype {name!r}; choose from fp32, bf16") from None
-
-
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def cpu_name() -> str:
-    """The CPU's model name (for results files and machine-specific caches)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 @dataclass
@@ -96,10 +71,7 @@ class Engine:
         threads: int | None = None,
         quiet: bool = False,
     ) -> None:
-        if threads is not None:
-            if threads < 1:
-                raise SettingsError(f"threads must be >= 1, got {threads}")
-            torch.set_num_threads(threads)
+        set_threads(threads)
         self.dtype_name = "fp32" if parse_dtype(dtype) == torch.float32 else "bf16"
         self.device = device or default_device()
         self.model_dir: Path = resolve_model(model, quiet=quiet)
@@ -135,20 +107,16 @@ class Engine:
         if method not in method_names():
             choices = ", ".join([AUTO_METHOD, *method_names()])
             raise UnknownNameError(f"unknown method {method!r}; choose from {choices}")
+        options = check_options(method, options)
         key = (method, tuple(sorted(options.items())))
         if key not in self._strategies:
-            accepted = method_options(method)
-            if bad := [k for k in options if k not in accepted]:
-                raise SettingsError(
-                    f"method {method!r} takes no option {', '.join(bad)}; its options: {', '.join(accepted) or 'none'}"
-                )
             self._strategies[key] = build_strategy(method, self, **options)
         return self._strategies[key]
 
     def generate_ids(
         self,
         prompt_ids: list[int],
-        method: str = "vanilla",
+        method: str = DEFAULT_METHOD,
         gen: GenerationConfig | None = None,
         stream: StreamCallback | None = None,
         **options: Any,
@@ -159,7 +127,7 @@ class Engine:
     def chat(
         self,
         messages: list[Message],
-        method: str = "vanilla",
+        method: str = DEFAULT_METHOD,
         gen: GenerationConfig | None = None,
         stream: StreamCallback | None = None,
         **options: Any,

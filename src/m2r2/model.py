@@ -118,6 +118,35 @@ def _one_row_each(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, gqa: bool) -> T
     return out.reshape(b, t, h, d)
 
 
+def _row_math(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, gqa: bool) -> Tensor:
+    """Attention of one query row per batch item (``q`` ``[B, H, 1, D]``) in two float32 matmuls; ``[B, H, 1, D]``.
+
+    Why: on a CPU the fused SDPA kernel costs ~0.3 ms per query row per layer in bf16 (a third of a
+    SmolLM2 decoding step) for ~0.2 MFLOP of work; two float32 matmuls over the keys cost ~0.08 ms.
+    Every row of a pass goes through this same call with the same shapes, so a row gets the bits a
+    one-row decoding step gets. (One GEMM over all rows would be cheaper still, but its float32
+    results were measured to change with the number of rows.)
+    """
+    b, h, _, d = q.shape
+    kvh, s = k.shape[1], k.shape[2]
+    g = h // kvh if gqa else 1
+    scores = torch.matmul(q.float().reshape(b, kvh, g, d), k.float().transpose(-1, -2)).mul_(d**-0.5)
+    p = torch.softmax(scores.masked_fill(~mask.reshape(-1, 1, 1, s), float("-inf")), dim=-1)
+    return torch.matmul(p, v.float()).reshape(b, h, 1, d).to(q.dtype)
+
+
+def _few_rows(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, gqa: bool) -> Tensor:
+    """Row-invariant attention for up to :data:`ROW_INVARIANT_MAX_ROWS` rows, ``[B, T, H, D]``: one
+    :func:`_row_math` call per row for low-precision CPU tensors (faster there), else the fused kernel
+    with every row as its own batch item (float32 keeps the kernel transformers uses, so the
+    reference mode matches it exactly)."""
+    if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
+        t = q.shape[2]
+        rows = [mask[..., i : i + 1, :] if mask.dim() > 2 else mask[i : i + 1] for i in range(t)]
+        return torch.cat([_row_math(q[:, :, i : i + 1], k, v, rows[i], gqa) for i in range(t)], dim=2).transpose(1, 2)
+    return _one_row_each(q, k, v, mask, gqa)
+
+
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | GappedMask | None) -> Tensor:
     """Scaled dot-product attention with grouped-query heads; ``mask`` is boolean (True = attend).
 
@@ -136,11 +165,11 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | GappedMask | None) ->
         for rows, order, packed in mask.groups:
             kk = k if order is None else k.index_select(2, order)
             vv = v if order is None else v.index_select(2, order)
-            outs.append(_one_row_each(q[:, :, rows], kk, vv, packed, gqa))
+            outs.append(_few_rows(q[:, :, rows], kk, vv, packed, gqa))
         return torch.cat(outs, dim=1)[:, mask.inverse].transpose(1, 2)
     if mask is None or t > ROW_INVARIANT_MAX_ROWS:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-    return _one_row_each(q, k, v, mask, gqa).transpose(1, 2)
+    return _few_rows(q, k, v, mask, gqa).transpose(1, 2)
 
 
 class Attention(nn.Module):
@@ -484,282 +513,3 @@ class Transformer(nn.Module):
         if last_only:
             h = h[:, -1:]
         return self.head(h)
-
-
-def hf_state_to_ours(sd: Mapping[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
-    """Map an HF Llama/Mistral/Qwen2 (or Mixtral/Qwen2-MoE/OLMoE) state dict to our fused layout.
-
-    q|k|v and gate|up are concatenated; experts are stacked (see :func:`hf_moe_to_ours`). A missing
-    tensor raises ``KeyError`` with its name.
-    """
-    out: dict[str, Tensor] = {"embed.weight": sd["model.embed_tokens.weight"], "norm.weight": sd["model.norm.weight"]}
-    # A tied head is the same Parameter as the embedding; load_state_dict still wants both keys.
-    out["lm_head.weight"] = out["embed.weight"] if cfg.tie_word_embeddings else sd["lm_head.weight"]
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        a = p + "self_attn."
-        out[f"layers.{i}.attn.wqkv.weight"] = torch.cat(
-            [sd[a + "q_proj.weight"], sd[a + "k_proj.weight"], sd[a + "v_proj.weight"]]
-        )
-        if cfg.attention_bias:
-            out[f"layers.{i}.attn.wqkv.bias"] = torch.cat(
-                [sd[a + "q_proj.bias"], sd[a + "k_proj.bias"], sd[a + "v_proj.bias"]]
-            )
-        out[f"layers.{i}.attn.wo.weight"] = sd[a + "o_proj.weight"]
-        if cfg.qk_norm:
-            out[f"layers.{i}.attn.q_norm.weight"] = sd[a + "q_norm.weight"]
-            out[f"layers.{i}.attn.k_norm.weight"] = sd[a + "k_norm.weight"]
-        if cfg.is_sparse(i):
-            out.update(hf_moe_to_ours(sd, cfg, i))
-        else:
-            out[f"layers.{i}.mlp.w13.weight"] = torch.cat(
-                [sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]]
-            )
-            out[f"layers.{i}.mlp.w2.weight"] = sd[p + "mlp.down_proj.weight"]
-        out[f"layers.{i}.attn_norm.weight"] = sd[p + "input_layernorm.weight"]
-        out[f"layers.{i}.mlp_norm.weight"] = sd[p + "post_attention_layernorm.weight"]
-    return out
-
-
-def hf_moe_to_ours(sd: Mapping[str, Tensor], cfg: ModelConfig, i: int) -> dict[str, Tensor]:
-    """Router, stacked experts and shared expert of sparse layer ``i``.
-
-    Accepts what checkpoints actually contain: transformers v5 keeps experts fused in memory
-    (``mlp.experts.gate_up_proj [E, 2F, d]``, ``mlp.experts.down_proj [E, d, F]``, which is also what
-    ``m2r2 moefy`` writes) but ``save_pretrained`` converts them back to the per-expert v4 keys
-    (``mlp.experts.{j}.gate_proj/up_proj/down_proj``; Mixtral: ``block_sparse_moe.experts.{j}.w1/w3/w2``).
-    """
-    p, o = f"model.layers.{i}.", f"layers.{i}.mlp."
-    mlp = p + ("block_sparse_moe." if p + "block_sparse_moe.gate.weight" in sd else "mlp.")
-    out = {o + "router.weight": sd[mlp + "gate.weight"]}
-    if mlp + "experts.gate_up_proj" in sd:
-        out[o + "w13"] = sd[mlp + "experts.gate_up_proj"]
-        out[o + "w2"] = sd[mlp + "experts.down_proj"]
-    else:
-        g, u, dn = ("w1", "w3", "w2") if mlp.endswith("block_sparse_moe.") else ("gate_proj", "up_proj", "down_proj")
-        ex = [f"{mlp}experts.{j}." for j in range(cfg.num_experts)]
-        out[o + "w13"] = torch.stack([torch.cat([sd[e + g + ".weight"], sd[e + u + ".weight"]]) for e in ex])
-        out[o + "w2"] = torch.stack([sd[e + dn + ".weight"] for e in ex])
-    if cfg.shared_expert_intermediate_size:
-        se = mlp + "shared_expert."
-        out[o + "shared.w13.weight"] = torch.cat([sd[se + "gate_proj.weight"], sd[se + "up_proj.weight"]])
-        out[o + "shared.w2.weight"] = sd[se + "down_proj.weight"]
-        if cfg.shared_expert_gated:
-            out[o + "shared_gate.weight"] = sd[mlp + "shared_expert_gate.weight"]
-    return out
-
-
-class PackedLinear(nn.Module):
-    """A frozen linear layer whose bf16 weight is pre-packed for oneDNN (AMX / AVX-512 on x86 CPUs).
-
-    Measured on the project's CPU (3072x576, bf16): 0.135 ms at 1 row vs 0.22 ms for ``F.linear``,
-    and nearly flat up to 16 rows (0.16 ms), which is what multi-token verification passes want.
-    Row results do not depend on how many rows are batched, so a verify pass sees the same numbers
-    as a one-token step.
-    """
-
-    def __init__(self, lin: nn.Linear) -> None:
-        super().__init__()
-        # Only the packed copy is kept: holding the unpacked weight too would double the memory.
-        self.in_features, self.out_features = lin.in_features, lin.out_features
-        self.bias = lin.bias
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), batch_size=1)
-
-    def forward(self, x: Tensor) -> Tensor:
-        shape = x.shape
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), self.packed, self.bias, "none", [], "")
-        return y.view(*shape[:-1], y.shape[-1])
-
-
-class Int8Linear(nn.Module):
-    """Weight-only int8 linear layer (symmetric, one scale per output channel), bf16 activations.
-
-    Halves the bytes a memory-bound decoding step reads compared with bf16, at a small accuracy
-    cost (it is a different model numerically: outputs are compared against bf16 in BENCHMARKS.md).
-    Its cost grows faster with the number of rows than oneDNN's bf16 kernel, so it suits plain
-    decoding more than multi-token verification.
-    """
-
-    def __init__(self, lin: nn.Linear) -> None:
-        super().__init__()
-        w = lin.weight.detach().float()
-        scale = w.abs().amax(dim=1).clamp_min(1e-8) / 127.0
-        self.in_features, self.out_features = lin.in_features, lin.out_features
-        self.bias = lin.bias
-        self.qweight = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
-        self.scales = scale.to(lin.weight.dtype)
-
-    def forward(self, x: Tensor) -> Tensor:
-        shape = x.shape
-        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]), self.qweight, self.scales)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*shape[:-1], y.shape[-1])
-
-
-class Int4Linear(nn.Module):
-    """Weight-only 4-bit linear layer: asymmetric groups of 32 input weights, bf16 activations.
-
-    Why it exists: the bundled model *is* 4-bit. Its GGUF stores every layer weight as Q4_1
-    (blocks of 32 along the input dimension, ``w = d * q + m`` with ``q`` in 0..15), and a block's
-    minimum and maximum always map to ``q = 0`` and ``q = 15``, so the min/max quantisation below
-    recovers the file's own ``q``, ``d`` and ``m`` exactly from the de-quantized float32 weights
-    (tested; :func:`m2r2.loading.load_model` passes those as ``source``, since bf16-rounded weights
-    would not round-trip).
-    The only rounding left is ``d`` and ``m + 8d`` to bf16, the same order as rounding each weight
-    to bf16 in the ``mkldnn`` kernel. It reads a quarter of bf16's bytes per step, and each row's
-    result does not depend on how many rows are batched (tested), so verification stays lossless.
-    Multi-row passes cost more than with oneDNN bf16 (about 3.5x at 8 rows), which the speculative
-    methods' measured cost model accounts for. Any other weights get plain 4-bit min/max
-    quantisation (lossy).
-    """
-
-    GROUP = 32
-
-    def __init__(self, lin: nn.Linear, source: Tensor | None = None) -> None:
-        super().__init__()
-        w = (lin.weight if source is None else source).detach().float()
-        n, k = w.shape
-        g = self.GROUP
-        blocks = w.view(n, k // g, g)
-        lo = blocks.amin(-1)
-        step = (blocks.amax(-1) - lo) / 15.0
-        q = ((blocks - lo[..., None]) / step.clamp_min(1e-30)[..., None]).round().clamp(0, 15)
-        self.in_features, self.out_features = lin.in_features, lin.out_features
-        self.bias = lin.bias
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(n, k).to(torch.int32), 2)
-        # the kernel computes (q - 8) * scale + zero
-        self.scales_zeros = torch.stack([step.t(), (lo + 8.0 * step).t()], dim=-1).contiguous().to(torch.bfloat16)
-
-    @classmethod
-    def fits(cls, lin: nn.Module) -> bool:
-        return isinstance(lin, nn.Linear) and lin.in_features % cls.GROUP == 0 and lin.out_features % 8 == 0
-
-    def forward(self, x: Tensor) -> Tensor:
-        shape = x.shape
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.reshape(-1, shape[-1]), self.packed, self.GROUP, self.scales_zeros
-        )
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*shape[:-1], y.shape[-1])
-
-
-def _activation_dtype(lin: nn.Module) -> torch.dtype:
-    """The input dtype a linear layer of any of our kernels takes."""
-    if isinstance(lin, nn.Linear):
-        return lin.weight.dtype
-    if isinstance(lin, Int8Linear):
-        return lin.scales.dtype
-    return torch.bfloat16  # the packed bf16 / 4-bit kernels
-
-
-def dense_weight(lin: nn.Module) -> Tensor:
-    """The float32 weight ``[out, in]`` that a linear layer of any of our kernels applies.
-
-    Packed kernels keep no unpacked copy, so the weight is read back by running the layer on the
-    identity matrix: exact for the bf16 kernels, and the de-quantized weight (rounded to bf16) for
-    the int8/q4 ones. Used to fold the accelerator adapters into private copies of the fast
-    stream's layers (:meth:`m2r2.multirate.fast.FastStream.freeze`).
-    """
-    if isinstance(lin, nn.Linear):
-        return lin.weight.detach().float()
-    # packed kernels hold their weights as plain tensor attributes
-    device = next((v.device for v in vars(lin).values() if isinstance(v, Tensor)), torch.device("cpu"))
-    y = lin(torch.eye(lin.in_features, dtype=_activation_dtype(lin), device=device)).float()
-    bias = getattr(lin, "bias", None)
-    if bias is not None:
-        y = y - bias.float()
-    return y.t().contiguous()
-
-
-def linear_like(lin: nn.Module, weight: Tensor) -> nn.Module:
-    """A frozen linear layer applying ``weight`` (float ``[out, in]``) with the same kernel as ``lin``."""
-    bias = getattr(lin, "bias", None)
-    plain = nn.Linear(
-        weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device, dtype=_activation_dtype(lin)
-    )
-    with torch.no_grad():
-        plain.weight.copy_(weight)
-        if bias is not None:
-            plain.bias.copy_(bias)
-    plain.requires_grad_(False)
-    if isinstance(lin, Int4Linear):
-        return Int4Linear(plain, weight.float())
-    if isinstance(lin, PackedLinear):
-        return PackedLinear(plain)
-    if isinstance(lin, Int8Linear):
-        return Int8Linear(plain)
-    return plain
-
-
-KERNELS = ("auto", "plain", "mkldnn", "int8", "q4")
-
-
-def mkldnn_usable(model: Transformer) -> bool:
-    return (
-        model.device.type == "cpu"
-        and model.dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    )
-
-
-def q4_usable(model: Transformer) -> bool:
-    """Whether the 4-bit kernel can run every dense layer of ``model`` (bf16 on a CPU)."""
-    return (
-        model.device.type == "cpu"
-        and model.dtype == torch.bfloat16
-        and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
-        and not model.cfg.is_moe
-        and all(Int4Linear.fits(lin) for b in model.layers for lin in (b.attn.wqkv, b.attn.wo, b.mlp.w13, b.mlp.w2))
-    )
-
-
-def use_kernels(model: Transformer, kernel: str = "auto", source: Mapping[str, Tensor] | None = None) -> str:
-    """Swap the model's linear layers for faster frozen kernels; returns the kernel used.
-
-    ``source`` optionally maps our state-dict names to the float32 weights the model was cast from;
-    the q4 kernel quantises those (see :class:`Int4Linear`), the others ignore it.
-
-    ``plain`` keeps ``nn.Linear`` (needed for training, and the reference mode). ``auto`` picks
-    ``q4`` for bf16 on CPU when every layer fits it, else ``mkldnn``, else ``plain``: measured on the
-    bundled Q4_1 model (BENCHMARKS.md), q4 decodes ~1.7x faster than oneDNN bf16 with the same
-    agreement with the fp32 reference, because it runs the GGUF's own 4-bit weights.
-    """
-    if kernel not in KERNELS:
-        raise ValueError(f"unknown kernel {kernel!r}; choose from {', '.join(KERNELS)}")
-    if kernel == "auto":
-        kernel = "q4" if q4_usable(model) else "mkldnn" if mkldnn_usable(model) else "plain"
-    if kernel == "mkldnn" and not mkldnn_usable(model):
-        raise ValueError("the mkldnn kernel needs bf16 weights on a CPU with oneDNN")
-    if kernel in ("int8", "q4") and (model.dtype != torch.bfloat16 or model.device.type != "cpu"):
-        raise ValueError(f"the {kernel} kernel needs bf16 activations on a CPU")
-    wrap = {"mkldnn": PackedLinear, "int8": Int8Linear, "q4": Int4Linear}.get(kernel)
-    head_wrap = wrap
-    if kernel == "q4":
-        # The bundled head/embedding is Q8_0 (8-bit): 4 bits would lose accuracy there, so the head
-        # keeps oneDNN bf16 where available.
-        head_wrap = PackedLinear if mkldnn_usable(model) else None
-        if not q4_usable(model):
-            raise ValueError(
-                f"the q4 kernel needs a dense (non-MoE) model with layer widths divisible by {Int4Linear.GROUP}"
-            )
-    if wrap is not None:
-        src = source or {}
-
-        def swap(lin: nn.Module, name: str) -> nn.Module:
-            return Int4Linear(lin, src.get(name + ".weight")) if wrap is Int4Linear else wrap(lin)
-
-        for i, block in enumerate(model.layers):
-            block.attn.wqkv = swap(block.attn.wqkv, f"layers.{i}.attn.wqkv")
-            block.attn.wo = swap(block.attn.wo, f"layers.{i}.attn.wo")
-            # MoE experts stay plain stacked tensors (an offloading runtime swaps them per expert);
-            # a shared expert is an ordinary MLP.
-            mlp = block.mlp.shared if isinstance(block.mlp, MoE) else block.mlp
-            if mlp is not None:
-                mlp.w13 = swap(mlp.w13, f"layers.{i}.mlp.w13")
-                mlp.w2 = swap(mlp.w2, f"layers.{i}.mlp.w2")
-    if head_wrap is not None:
-        model.lm_head = head_wrap(model.lm_head)
-    return kernel

@@ -37,6 +37,8 @@ class ChatTokenizer:
         """Token ids of ``messages`` followed by the assistant-turn prompt."""
         if not messages or not any(m.get("content", "").strip() for m in messages if m.get("role") == "user"):
             raise InputError("the prompt is empty")
+        for m in messages:
+            check_utf8(m.get("content", ""))
         if self.hf.chat_template:
             ids: Any = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):
@@ -50,6 +52,14 @@ class ChatTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return str(self.hf.decode(ids, skip_special_tokens=True))
+
+
+def check_utf8(text: str) -> None:
+    """Text read from invalid UTF-8 (argv, stdin) carries lone surrogates the tokenizer cannot take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InputError(f"the prompt is not valid UTF-8 (bad byte at character {e.start})") from None
 
 
 def messages_for(prompt: str, system: str | None = None, history: list[Message] | None = None) -> list[Message]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from m2r2.errors import InputError, SettingsError, UnknownNameError
+from m2r2.paths import shared_data
 
 #: The eval sets of ``shared/data/eval`` (see its README).
 SHARED_SETS = ("mt_bench", "koala", "self_instruct", "wizardlm", "vicuna", "spec_bench")
@@ -44,19 +45,8 @@ class Dataset:
 
 
 def shared_eval_dir() -> Path | None:
-    """``shared/data/eval``: from ``$M2R2_SHARED`` (the shared dir or the eval dir itself), else the
-    first one found walking up from the working directory, then from the installed package."""
-    env = os.environ.get("M2R2_SHARED")
-    if env:
-        for cand in (Path(env) / "data" / "eval", Path(env) / "eval", Path(env)):
-            if cand.is_dir() and any(cand.glob("*.jsonl")):
-                return cand
-    for start in (Path.cwd().resolve(), Path(__file__).resolve().parent):
-        for d in (start, *start.parents):
-            cand = d / "shared" / "data" / "eval"
-            if cand.is_dir():
-                return cand
-    return None
+    """``shared/data/eval`` (see :func:`m2r2.paths.shared_data`)."""
+    return shared_data("eval")
 
 
 def dataset_names() -> list[str]:

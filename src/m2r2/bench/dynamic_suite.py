@@ -16,47 +16,67 @@ and 0.8 (linear interpolation between measured points; null where never reached)
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
 from m2r2.bench.datasets import load_dataset
-from m2r2.bench.harness import environment
 from m2r2.bench.quality import mean_nll, paired_speedup, rouge_l, speedup_at
 from m2r2.bench.report import header_line
+from m2r2.bench.results import BenchSettings, check_out_dir, environment, save_results
 from m2r2.decoding import method_names
 from m2r2.decoding.base import GenerationConfig
 from m2r2.errors import SettingsError
 
 if TYPE_CHECKING:
-    from m2r2.bench.harness import BenchSettings
     from m2r2.engine import Engine
 
 #: method -> (knob, values swept, from conservative to aggressive: the order the curve is drawn in).
 #: Settings that can never exit (threshold >= 1, min_layer = N) are left out: they are ``vanilla``
 #: bit for bit (tested), so their timing would only measure noise. Values chosen from a wider
 #: pilot sweep on MT-Bench (benchmarks/dynamic/NOTES.md) to cover each method's quality range.
-SWEEPS: dict[str, tuple[str, list[Any]]] = {
+FULL_SWEEPS: dict[str, tuple[str, list[Any]]] = {
     "m2r2-dynamic": ("threshold", [0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1]),
     "static-exit": ("layer", [29, 24]),
     "calm": ("threshold", [0.99, 0.9, 0.5]),
     "skip-decoding": ("min_layer", [29, 26]),
     "mod": ("threshold", [0.5, 0.8, 0.95]),  # shipped routers, 5 MT-Bench prompts: 29.3 / 24.0 / 15.2 layers
 }
+#: The default sweep (``--full`` runs :data:`FULL_SWEEPS`): the points of each curve that the full
+#: sweep showed to span its quality range, so the suite runs in minutes at ``--limit 3 --max-new-tokens
+#: 64`` on one dataset.
+SWEEPS: dict[str, tuple[str, list[Any]]] = {
+    "m2r2-dynamic": ("threshold", [0.8, 0.6, 0.4, 0.2]),
+    "static-exit": ("layer", [29]),
+    "calm": ("threshold", [0.99, 0.9]),
+    "skip-decoding": ("min_layer", [29]),
+    "mod": ("threshold", [0.5, 0.95]),
+}
 DATASETS = ("mt_bench", "koala", "self_instruct", "wizardlm")
 LEVELS = (0.95, 0.9, 0.8)
+#: Token budget of the untimed warm-up runs.
+WARMUP_TOKENS = 8
 REFERENCE = "vanilla"
 #: The method whose curve the issue asks to lie above every baseline's (``margins``).
 OURS = "m2r2-dynamic"
 
-__all__ = ["DATASETS", "LEVELS", "SWEEPS", "margins", "run_dynamic", "speedup_at"]
+__all__ = ["DATASETS", "FULL_SWEEPS", "LEVELS", "SWEEPS", "margins", "run_dynamic", "speedup_at"]
 
 Config = tuple[str, str | None, Any]  # (method, knob, value)
+
+
+def default_sweeps(full: bool) -> dict[str, tuple[str, list[Any]]]:
+    return FULL_SWEEPS if full else SWEEPS
+
+
+def suite_datasets(settings: BenchSettings) -> list[str]:
+    """``--dataset`` when given, else the paper's four."""
+    return [settings.dataset] if settings.dataset else list(DATASETS)
 
 
 def _key(cfg: Config) -> str:
@@ -91,14 +111,23 @@ def _mean(values: list[float]) -> float | None:
     return statistics.fmean(vals) if vals else None
 
 
-def run_dataset(engine: Engine, name: str, cfgs: list[Config], gen: GenerationConfig, limit: int | None, warmup: int):
+def run_dataset(
+    engine: Engine,
+    name: str,
+    cfgs: list[Config],
+    gen: GenerationConfig,
+    limit: int | None,
+    warmup: int,
+    on_row: Callable[[dict[str, Any]], None] | None = None,
+):
     """Interleaved runs of every config on one dataset; returns (dataset name, summary, rows)."""
     data = load_dataset(name, limit)
     tok = engine.tokenizer
     prompts = [(p.id, tok.encode_chat([{"role": "user", "content": p.turns[0]}])) for p in data.prompts]
-    for cfg in cfgs:  # untimed warm-up
+    short = GenerationConfig(max_new_tokens=min(WARMUP_TOKENS, gen.max_new_tokens))
+    for cfg in cfgs:  # untimed warm-up: code paths and allocator, so a few tokens do
         for _, ids in prompts[:warmup]:
-            engine.generate_ids(ids, cfg[0], gen, **_options(cfg))
+            engine.generate_ids(ids, cfg[0], short, **_options(cfg))
     rows: list[dict[str, Any]] = []
     for pid, ids in tqdm(prompts, desc=f"dynamic {data.name} ({len(cfgs)} configs)", unit="prompt", file=sys.stderr):
         runs: dict[str, dict[str, Any]] = {}
@@ -108,12 +137,17 @@ def run_dataset(engine: Engine, name: str, cfgs: list[Config], gen: GenerationCo
                                "stats": _numeric(res.stats)}  # fmt: skip
         ref = runs[_key(cfgs[0])]
         ref_text = tok.decode(ref["ids"])
+        scored: dict[tuple[int, ...], tuple[str, float, float]] = {}  # one scoring per distinct output
         for r in runs.values():  # quality after all timed runs of this prompt
-            r["text"] = tok.decode(r["ids"])
-            r["rouge_l"] = rouge_l(ref_text, r["text"])
+            key = tuple(r["ids"])
+            if key not in scored:
+                text = tok.decode(r["ids"])
+                scored[key] = (text, rouge_l(ref_text, text), mean_nll(engine.model, ids, r["ids"]))
+            r["text"], r["rouge_l"], r["nll"] = scored[key]
             r["exact"] = r["ids"] == ref["ids"]
-            r["nll"] = mean_nll(engine.model, ids, r["ids"])
         rows.append({"dataset": data.name, "id": pid, "prompt_tokens": len(ids), "runs": runs})
+        if on_row is not None:
+            on_row(rows[-1])
     return data.name, summarize(cfgs, rows), rows
 
 
@@ -184,39 +218,43 @@ def run_dynamic(
     gen = GenerationConfig(max_new_tokens=settings.max_new_tokens).validate()
     if settings.warmup < 0:
         raise SettingsError(f"warmup must be >= 0, got {settings.warmup}")
-    cfgs = configs(SWEEPS if sweeps is None else sweeps)
-    names = list(datasets or DATASETS)
+    sweep = default_sweeps(settings.full) if sweeps is None else sweeps
+    cfgs = configs(sweep)
+    names = list(datasets or suite_datasets(settings))
     for name in names:  # unknown names fail before any work
         load_dataset(name, settings.limit)
     for cfg in cfgs:  # so do bad knob values and missing adapters
         engine.strategy(cfg[0], **_options(cfg))
-    per_dataset: dict[str, Any] = {}
-    all_rows: list[dict[str, Any]] = []
-    for i, name in enumerate(names):  # warm-up once: the strategies persist across datasets
-        label, summary, rows = run_dataset(engine, name, cfgs, gen, settings.limit, settings.warmup if i == 0 else 0)
-        per_dataset[label] = summary
-        all_rows += rows
+    out = check_out_dir(settings)
     results: dict[str, Any] = {
         "suite": "dynamic",
-        "dataset": ", ".join(per_dataset),
-        "n_prompts": len(all_rows),
+        "dataset": "",
+        "n_prompts": 0,
         "max_new_tokens": settings.max_new_tokens,
         "warmup": settings.warmup,
-        **environment(engine),
+        **environment(engine, settings),
         "reference": REFERENCE,
         "levels": [str(q) for q in LEVELS],
-        "sweeps": {m: {"knob": k, "values": v} for m, (k, v) in (SWEEPS if sweeps is None else sweeps).items()},
-        "datasets": per_dataset,
-        "prompts": all_rows,
+        "sweeps": {m: {"knob": k, "values": v} for m, (k, v) in sweep.items()},
+        "datasets": {},
+        "prompts": [],
     }
-    out = Path(settings.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1, ensure_ascii=False), encoding="utf-8")
+
+    def keep(row: dict[str, Any]) -> None:
+        results["prompts"].append(row)
+        results["n_prompts"] = len(results["prompts"])
+        save_results(out, results, complete=False)
+
+    for i, name in enumerate(names):  # warm-up once: the strategies persist across datasets
+        label, summary, _ = run_dataset(engine, name, cfgs, gen, settings.limit, settings.warmup if i == 0 else 0, keep)
+        results["datasets"][label] = summary
+        results["dataset"] = ", ".join(results["datasets"])
+    save_results(out, results, complete=True)
     text = f"{header_line(results)}\n\n{markdown(results)}\n"
     (out / "results.md").write_text(text, encoding="utf-8")
-    for name, summary in per_dataset.items():
+    for name, summary in results["datasets"].items():
         plot(name, summary, results, out / f"quality_{_slug(name)}.png")
-    return {**results, "markdown": text}
+    return {**results, "complete": True, "markdown": text}
 
 
 def _slug(name: str) -> str:

@@ -8,54 +8,39 @@ the first method, which is less sensitive to one slow outlier than a ratio of to
 
 from __future__ import annotations
 
-import json
+import importlib
 import statistics
 import sys
-from dataclasses import dataclass
-from datetime import UTC, datetime
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
-import torch
 from tqdm import tqdm
 
 from m2r2.bench.datasets import Dataset, Prompt, load_dataset
 from m2r2.bench.report import write_report
+from m2r2.bench.results import BenchSettings, check_out_dir, environment, save_results
 from m2r2.decoding import method_names
 from m2r2.decoding.base import GenerationConfig
-from m2r2.engine import Engine, cpu_name
+from m2r2.engine import Engine
 from m2r2.errors import SettingsError, UnknownNameError
 
 #: The self-speculative comparison of the paper: ours, its ablation, and every peer, vanilla first.
 PAPER_METHODS = ["vanilla", "m2r2", "early-exit-spec", "lookahead", "hf", "hf-pld", "hf-early-exit"]
-#: Suites with their own runner and report (see :func:`run_bench`).
-SPECIAL_SUITES = ("dynamic", "moe")
+#: Suites with their own runner and report: name -> "module:function" (imported when run).
+RUNNERS = {"dynamic": "m2r2.bench.dynamic_suite:run_dynamic", "moe": "m2r2.bench.moe_suite:run_moe"}
+SPECIAL_SUITES = tuple(RUNNERS)
 #: Named suites: each is a list of (dataset, methods) runs merged into one report.
 SUITES: dict[str, list[tuple[str, list[str]]]] = {
     "paper": [(d, PAPER_METHODS) for d in ("mt_bench", "koala", "self_instruct", "wizardlm")],
 }
-
-
-@dataclass
-class BenchSettings:
-    dataset: str
-    methods: list[str]
-    limit: int | None
-    max_new_tokens: int
-    out_dir: Path
-    warmup: int = 1
-    suite: str | None = None
-    # --suite moe only (None = the suite's defaults): bandwidth labels, cache fractions, policies, adapters
-    bandwidths: list[str] | None = None
-    cache_fractions: list[float] | None = None
-    policies: list[str] | None = None
-    adapters: Path | None = None
+#: The dataset of a plain run (no --suite, no --dataset).
+DEFAULT_DATASET = "mt_bench"
 
 
 def plan(settings: BenchSettings) -> list[tuple[str, list[str]]]:
     """The (dataset, methods) runs of ``settings``: one run, or the runs of a named suite."""
     if settings.suite is None:
-        return [(settings.dataset, settings.methods)]
+        return [(settings.dataset or DEFAULT_DATASET, settings.methods)]
     if settings.suite not in SUITES:
         names = ", ".join([*SUITES, *SPECIAL_SUITES])
         raise UnknownNameError(f"unknown suite {settings.suite!r}; available: {names}")
@@ -108,9 +93,15 @@ def _mean_stats(stats: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def run_one(
-    engine: Engine, data: Dataset, methods: list[str], gen: GenerationConfig, warmup: int
+    engine: Engine,
+    data: Dataset,
+    methods: list[str],
+    gen: GenerationConfig,
+    warmup: int,
+    on_row: Callable[[dict[str, Any]], None] | None = None,
 ) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
-    """Warm up, then interleave: for each prompt, each method. Returns per-method summaries and rows."""
+    """Warm up, then interleave: for each prompt, each method (``on_row`` sees each prompt's row as
+    it is measured). Returns per-method summaries and rows."""
     for method in methods:
         engine.strategy(method)  # load models (e.g. transformers) before any timing
         for p in data.prompts[:warmup]:
@@ -123,6 +114,8 @@ def run_one(
             r["identical"] = r["ids"] == base["ids"]
             r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] > 0 else None
         rows.append({"dataset": data.name, "id": p.id, "category": p.category, "turns": len(p.turns), "methods": runs})
+        if on_row is not None:
+            on_row(rows[-1])
     summary: dict[str, dict[str, Any]] = {}
     for m in methods:
         per = [row["methods"][m] for row in rows]
@@ -140,40 +133,17 @@ def run_one(
     return summary, rows
 
 
-def environment(engine: Engine) -> dict[str, Any]:
-    """What a reader needs to judge timings (hardware, precision, threads, versions); in every results.json."""
-    import transformers
-
-    return {
-        "dtype": engine.dtype_name,
-        "kernel": engine.kernel,
-        "threads": torch.get_num_threads(),
-        "torch_version": torch.__version__,
-        "transformers_version": transformers.__version__,
-        "cpu": cpu_name(),
-        "device": str(engine.device),
-        "model": engine.model_dir.name,
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "command": " ".join(sys.argv),
-    }
-
-
 def run_bench(engine: Engine, settings: BenchSettings) -> dict[str, Any]:
     """Run every (dataset, methods) of the plan and write one merged report to ``settings.out_dir``.
 
     ``methods`` is keyed by method name for a single dataset, by ``dataset/method`` for several.
-    Everything is checked (names, settings, files) before the first token is generated.
-    ``--suite dynamic`` (quality-vs-speedup sweeps of the lossy methods) and ``--suite moe`` (expert
-    offloading policies) have their own runners.
+    Everything is checked (names, settings, files, the output folder) before the first token is
+    generated, and results.json is saved after every prompt, so an interrupted run keeps what it
+    measured. Suites in :data:`RUNNERS` (``dynamic``, ``moe``) have their own runner and report.
     """
-    if settings.suite == "dynamic":
-        from m2r2.bench.dynamic_suite import run_dynamic
-
-        return run_dynamic(engine, settings)
-    if settings.suite == "moe":  # expert offloading policies on an MoE model: its own grid and report
-        from m2r2.bench.moe_suite import run_moe
-
-        return run_moe(engine, settings)
+    if settings.suite in RUNNERS:
+        module, func = RUNNERS[settings.suite].split(":")
+        return getattr(importlib.import_module(module), func)(engine, settings)
     gen = GenerationConfig(max_new_tokens=settings.max_new_tokens).validate()
     if settings.warmup < 0:
         raise SettingsError(f"warmup must be >= 0, got {settings.warmup}")
@@ -181,26 +151,27 @@ def run_bench(engine: Engine, settings: BenchSettings) -> dict[str, Any]:
     for _, methods in runs:
         _check_methods(methods)
     loaded = [(load_dataset(name, settings.limit), methods) for name, methods in runs]
-
-    summaries: dict[str, dict[str, Any]] = {}
-    rows: list[dict[str, Any]] = []
-    several = len({d.name for d, _ in loaded}) > 1
-    for data, methods in loaded:
-        summary, run_rows = run_one(engine, data, methods, gen, settings.warmup)
-        summaries.update({(f"{data.name}/{m}" if several else m): s for m, s in summary.items()})
-        rows += run_rows
+    out = check_out_dir(settings)
 
     results: dict[str, Any] = {
         "dataset": ", ".join(dict.fromkeys(d.name for d, _ in loaded)),
         "suite": settings.suite,
-        "n_prompts": len(rows),
+        "n_prompts": 0,
         "max_new_tokens": settings.max_new_tokens,
         "warmup": settings.warmup,
-        **environment(engine),
-        "methods": summaries,
-        "prompts": rows,
+        **environment(engine, settings),
+        "methods": {},
+        "prompts": [],
     }
-    out = Path(settings.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1, ensure_ascii=False), encoding="utf-8")
-    return {**results, "markdown": write_report(results, out)}
+
+    def keep(row: dict[str, Any]) -> None:
+        results["prompts"].append(row)
+        results["n_prompts"] = len(results["prompts"])
+        save_results(out, results, complete=False)
+
+    several = len({d.name for d, _ in loaded}) > 1
+    for data, methods in loaded:
+        summary, _ = run_one(engine, data, methods, gen, settings.warmup, keep)
+        results["methods"].update({(f"{data.name}/{m}" if several else m): s for m, s in summary.items()})
+    save_results(out, results, complete=True)
+    return {**results, "complete": True, "markdown": write_report(results, out)}

@@ -18,7 +18,6 @@ all others are measured on this machine.
 
 from __future__ import annotations
 
-import json
 import re
 import statistics
 import sys
@@ -29,22 +28,22 @@ from typing import TYPE_CHECKING, Any
 from tqdm import tqdm
 
 from m2r2.bench.datasets import load_dataset
-from m2r2.bench.harness import environment
 from m2r2.bench.quality import paired_speedup
 from m2r2.bench.report import header_line
+from m2r2.bench.results import BenchSettings, check_out_dir, environment, save_results
 from m2r2.decoding.base import GenerationConfig
 from m2r2.errors import SettingsError, WeightsError
 from m2r2.moe.policies import POLICIES, moe_layers
 from m2r2.moe.runtime import OffloadedMoE, expert_store, record_trace, store_path, total_experts
 
 if TYPE_CHECKING:
-    from m2r2.bench.harness import BenchSettings
     from m2r2.engine import Engine
     from m2r2.multirate.fast import FastStream
 
 DEFAULT_BANDWIDTHS = ["measured", "2GB/s", "25GB/s"]
 DEFAULT_FRACTIONS = [0.25, 0.5, 0.75]
 BASELINE = "on-demand"
+DEFAULT_DATASET = "mt_bench"
 #: Warm-up budget (tokens) of the untimed runs.
 WARMUP_TOKENS = 8
 _UNITS = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
@@ -98,7 +97,8 @@ def run_moe(engine: Engine, settings: BenchSettings) -> dict[str, Any]:
         policies.insert(0, BASELINE)
     if any(not 0 < f <= 1 for f in fractions):
         raise SettingsError(f"cache fractions must be in (0, 1], got {fractions}")
-    data = load_dataset(settings.dataset, settings.limit)
+    data = load_dataset(settings.dataset or DEFAULT_DATASET, settings.limit)
+    out = check_out_dir(settings)
     fast = _fast_stream(engine, getattr(settings, "adapters", None)) if "m2r2" in policies else None
     store = expert_store(model, store_path(engine.fingerprint, model.dtype))
     n_experts = total_experts(model)
@@ -121,6 +121,7 @@ def run_moe(engine: Engine, settings: BenchSettings) -> dict[str, Any]:
             run(fractions[0], bandwidths[0], policy, prompts[0][1], g, trace)
 
     rows: list[dict[str, Any]] = []
+    stamp = environment(engine, settings)
     for pid, ids in tqdm(prompts, desc=f"moe {data.name}", unit="prompt", file=sys.stderr):
         ref, trace = record_trace(model, ids, gen, eos)
         row: dict[str, Any] = {"id": pid, "prompt_tokens": len(ids), "new_tokens": len(ref.tokens)}
@@ -138,6 +139,7 @@ def run_moe(engine: Engine, settings: BenchSettings) -> dict[str, Any]:
                     }
         row["runs"] = runs
         rows.append(row)
+        save_results(out, {"suite": "moe", "dataset": data.name, **stamp, "prompts": rows}, complete=False)
 
     moe = summarize(rows, bandwidths, fractions, policies)
     results: dict[str, Any] = {
@@ -146,7 +148,7 @@ def run_moe(engine: Engine, settings: BenchSettings) -> dict[str, Any]:
         "n_prompts": len(rows),
         "max_new_tokens": settings.max_new_tokens,
         "warmup": settings.warmup,
-        **environment(engine),
+        **stamp,
         "experts": {
             "total": n_experts,
             "per_layer": widest,
@@ -162,9 +164,7 @@ def run_moe(engine: Engine, settings: BenchSettings) -> dict[str, Any]:
         "moe": moe,
         "prompts": rows,
     }
-    out = Path(settings.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1, ensure_ascii=False), encoding="utf-8")
+    save_results(out, results, complete=True)
     text = f"{header_line(results)}\n\n{markdown(results)}\n"
     (out / "results.md").write_text(text, encoding="utf-8")
     plot(results, out / "moe.png")

@@ -7,12 +7,14 @@ from typing import Any
 
 
 def header_line(results: dict[str, Any]) -> str:
-    """Everything a reader needs to judge the numbers: hardware, precision, threads, versions."""
+    """Everything a reader needs to judge the numbers and rerun them: hardware, precision, threads,
+    versions, the commit and the exact command."""
     r = results
     return (
         f"{r['model']} on {r['cpu']} ({r['device']}, {r['threads']} threads), dtype {r['dtype']}, "
         f"kernel {r['kernel']}; torch {r['torch_version']}, transformers {r['transformers_version']}; "
-        f"{r['n_prompts']} prompts of {r['dataset']}, up to {r['max_new_tokens']} new tokens per turn; {r['date']}"
+        f"{r['n_prompts']} prompts of {r['dataset']}, up to {r['max_new_tokens']} new tokens per turn; {r['date']}; "
+        f"commit {r.get('commit', 'unknown')}; command `{r.get('command', '?')}`"
     )
 
 

@@ -19,7 +19,7 @@ from m2r2.decoding.base import (
 from m2r2.model import Transformer
 
 if TYPE_CHECKING:
-    from m2r2.engine import Engine
+    from m2r2.decoding.base import Loaded
 
 
 class Autoregressive:
@@ -59,5 +59,5 @@ class Autoregressive:
 
 
 @register("vanilla", "plain autoregressive decoding on m2r2's own model (the baseline of every speedup)")
-def _vanilla(engine: Engine) -> Autoregressive:
+def _vanilla(engine: Loaded) -> Autoregressive:
     return Autoregressive(engine.model, engine.tokenizer.eos_ids, engine.tokenizer.decode)

@@ -20,11 +20,27 @@ from torch import Tensor
 from m2r2.errors import InputError, SettingsError
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from m2r2.cache import KVCache
     from m2r2.model import Transformer
+    from m2r2.tokenizer import ChatTokenizer
 
 #: Called with the token ids accepted since the last call (one or several at a time).
 StreamCallback = Callable[[list[int]], None]
+
+
+class Loaded(Protocol):
+    """What a strategy is built from: a loaded model and what comes with it. The engine is one;
+    strategies need no more than this, so they never import the engine."""
+
+    model: Transformer
+    tokenizer: ChatTokenizer
+    fingerprint: str  # of the base weights: adapters and routers are bound to it
+    model_dir: Path
+    dtype_name: str
+    kernel: str
+    device: str
 
 
 @dataclass
@@ -112,13 +128,15 @@ def begin(
     gen: GenerationConfig,
     eos_ids: list[int],
     decode: Callable[[list[int]], str] | None,
+    last_hidden: list[Tensor] | None = None,
 ) -> tuple[float, Stopper, KVCache, Tensor]:
     """The start every strategy shares: check settings and prompt, start the clock, set up stopping,
     allocate the cache at the common capacity and prefill the prompt.
 
     Returns ``(t0, stopper, cache, logits)`` with the prompt's last-position logits ``[1, 1, V]``.
     One place for this is what gives every method the same cache capacity (so their outputs are
-    bit-identical) and the same stopping rules.
+    bit-identical) and the same stopping rules. ``last_hidden``, when given, receives the final slow
+    state of the prompt's last position (``[1, 1, d]``; seeded drafters start from it).
     """
     gen.validate()
     ctx = model.cfg.max_position_embeddings
@@ -126,8 +144,12 @@ def begin(
     t0 = time.perf_counter()
     stopper = Stopper(gen, eos_ids, decode, ctx - len(prompt))
     cache = model.new_cache(cache_capacity(len(prompt), stopper.budget, ctx))
-    logits = model(torch.tensor([prompt], device=model.device), cache, 0, last_only=True)
-    return t0, stopper, cache, logits
+    tokens = torch.tensor([prompt], device=model.device)
+    if last_hidden is None:  # through ``model(...)``: wrappers that hook each forward pass see it
+        return t0, stopper, cache, model(tokens, cache, 0, last_only=True)
+    h = model.run_layers(model.embed_tokens(tokens), cache, 0)[:, -1:]
+    last_hidden.append(h)
+    return t0, stopper, cache, model.head(h)
 
 
 def warp_probs(logits: Tensor, gen: GenerationConfig) -> Tensor:

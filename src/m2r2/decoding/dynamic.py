@@ -1,56 +1,13 @@
 """Dynamic compute (lossy, tunable): tokens that look easy exit early and are completed later.
 
-One loop, :class:`PendingDecoder`, serves every method; a method is only an *exit rule*:
+One loop, :class:`PendingDecoder`, serves every method; a method is only an *exit rule*. Here:
+``m2r2-dynamic``, where the M2R2 fast stream runs layer by layer and ARLA decides the exit; the
+distance-based baselines (static, CALM, SkipDecode) are in :mod:`m2r2.decoding.exits`.
 
-- ``m2r2-dynamic``: the M2R2 fast stream (shipped accelerator adapters over the shared slow cache)
-  runs layer by layer; at the first allowed fast layer where ARLA's probability reaches
-  ``threshold`` the token exits with that layer's logits ``W . Norm(f_j)``.
-- ``static-exit``: every token exits at base layer L (plain early exit ``W . Norm(h_L)``).
-- ``calm``: CALM-style confidence exit (softmax max-probability or top-2 margin) on plain
-  early-exit logits at a list of base layers.
-- ``skip-decoding``: SkipDecode's position-dependent budget, linear from ``max_layer`` at the first
-  generated token to ``min_layer`` at the last one the budget allows.
-
-Pending completion (the shared-cache design of ``../shared/docs/M2R2.md``): a token that exits has
-no slow K/V. It stays *pending*; the next token that does not exit runs one slow pass over
-``[pending..., token]`` that writes the slow K/V of all of them (the cache is then whole, exactly
-what a full pass would hold) and gives that token's next token from the full model. A token that
-arrives while ``max_pending`` tokens are pending runs deep without probing (a probe could only be
-wasted there: its pass is needed anyway and it yields the full model's token for free). With no
-exits possible (``threshold >= 1``, a budget of all layers) no probe runs at all and the loop is
-plain greedy decoding, bit for bit (same cache capacity, same forward as ``vanilla``).
-
-How later tokens see pending ones:
-- probes over *base* layers (static-exit, calm, skip-decoding) write their K/V into the slow cache
-  slot of the token for the layers they ran; those entries are exact full-model K/V as long as
-  every earlier pending token ran at least as deep (always true for static-exit and for the
-  monotonically decreasing SkipDecode budget; this is SkipDecode's own argument, mirrored).
-- the fast stream keeps the pending tokens' *fast* K/V as its draft block, per fast layer
-  (:func:`m2r2.multirate.fast.fast_layer`, the same shared attention as drafting: slow cache of the
-  completed tokens + fast K/V of the block).
-- a token that exited at layer j has no K/V at deeper layers: later tokens **mask it out** there
-  (it is invisible at layers > j until completed). We chose masking over CALM's state copying
-  (K/V computed from the exit state at every deeper layer) because copying costs a K/V projection
-  per deeper layer and pending token, and any pending token is recomputed exactly by the next slow
-  pass anyway; with the default single exit (fast layer 10, the only one the shipped adapters and
-  ARLA were trained for) no masking ever happens.
-
-Cost accounting (``stats``): ``layers_per_token`` counts layer *passes* (a slow pass over k rows is
-N layers, as in ``speculative.py``: on a bandwidth-bound CPU a k-row pass costs about one row),
-probe layers included; ``row_layers_per_token`` counts layer x rows (the FLOPs view);
-``head_calls_per_token`` counts LM-head evaluations (the 49k-word head of this small model weighs
-as much as many layers: CALM pays one per check, ARLA needs none to decide); ``exit_precision`` is
-the share of checked exits whose token equals the full model's choice after the same prefix (free:
-the completion pass computes it). A base-layer probe of a token with no pending tokens before it is
-exactly the slow stream's first layers, so a token that does not exit continues from there instead
-of starting over; the fast stream (adapters) cannot be reused that way, which is the cost M2R2 pays
-for its better exits (the fast stream costs ~0.5 of a full step here).
-
-SkipDecode deviation: the paper skips the *lower* layers (tokens enter late) because its model is
-fine-tuned for it; we do not fine-tune, and feeding embeddings to layer 20 of a frozen model gives
-noise, so tokens exit early instead (run the first ``b_t`` layers). The budget still decreases
-monotonically with position, which is what lets later tokens find K/V at every layer they run.
-Greedy only: these methods are lossy anyway and compare against the full model's greedy output.
+A token that exits has no slow K/V: it stays *pending* until the next token that does not exit
+runs one slow pass over ``[pending..., token]``, which leaves the cache exactly as a full pass
+would. With no exits possible the loop is plain greedy decoding, bit for bit. Why (masking over
+state copying, cost accounting, SkipDecode's deviation): docs/DYNAMIC.md.
 """
 
 from __future__ import annotations
@@ -78,7 +35,7 @@ from m2r2.model import ROW_INVARIANT_MAX_ROWS, Transformer
 from m2r2.multirate.fast import FastStream, fast_layer
 
 if TYPE_CHECKING:
-    from m2r2.engine import Engine
+    from m2r2.decoding.base import Loaded
 
 #: A completion pass holds max_pending + 1 rows; beyond the row-invariant limit it is not bit-exact.
 MAX_PENDING_LIMIT = ROW_INVARIANT_MAX_ROWS - 1
@@ -287,160 +244,6 @@ class PendingDecoder:
         return logits
 
 
-# --------------------------------------------------------------------------- base-layer exits
-
-
-class BaseLayerExit(PendingDecoder):
-    """Probes over the base model's own layers (no adapters), writing their K/V into the slow cache.
-
-    Subclasses say which layers are checked (:meth:`checks`) and whether a check exits (:meth:`decide`).
-    """
-
-    def checks(self, index: int) -> list[int]:
-        """Base layers (1-based count of layers run) where the token at ``index`` may exit."""
-        raise NotImplementedError
-
-    def decide(self, h: Tensor, layer: int, index: int) -> tuple[Tensor | None, int]:
-        """Exit logits or None, and the number of LM-head evaluations spent deciding."""
-        raise NotImplementedError
-
-    def may_exit(self, index: int) -> bool:
-        return bool(self.checks(index))
-
-    def probe(self, token: int, pos: int, index: int) -> Probe:
-        model, cache = self.model, self.cache
-        assert cache is not None
-        checks = self.checks(index)
-        x = model.embed_tokens(torch.tensor([[token]], device=model.device))
-        cos, sin = model.rope(pos, 1, x.dtype)
-        causal = model.causal_mask(pos, 1, cache.max_len)
-        heads = 0
-        last = checks[-1]
-        for i in range(last):
-            x = model.layers[i](x, cos, sin, cache, i, pos, self._mask(causal, i))
-            if i + 1 in checks:
-                logits, spent = self.decide(x, i + 1, index)
-                heads += spent
-                if logits is not None:
-                    return Probe(logits, i + 1, i + 1, heads)
-        return Probe(None, last, last, heads, resume=(x, last) if not self.pending else None)
-
-    def _mask(self, causal: Tensor, layer: int) -> Tensor:
-        """``causal`` with the pending slots that have no K/V at ``layer`` masked out."""
-        assert self.cache is not None
-        hidden = [self.cache.length + k for k, d in enumerate(self.depths) if d <= layer]
-        if not hidden:
-            return causal
-        mask = causal.clone()
-        mask[0, hidden] = False
-        return mask
-
-
-class StaticExit(BaseLayerExit):
-    name = "static-exit"
-
-    def __init__(
-        self, model: Transformer, eos_ids: list[int], decode=None, layer: int | None = None, max_pending: int = 16
-    ):
-        super().__init__(model, eos_ids, decode, max_pending)
-        n = model.cfg.num_layers
-        self.layer = check_layer("layer", default_depth(n) if layer is None else layer, 1, n - 1)
-
-    def checks(self, index: int) -> list[int]:
-        return [self.layer]
-
-    def decide(self, h: Tensor, layer: int, index: int) -> tuple[Tensor | None, int]:
-        return self.model.head(h)[0, -1], 1
-
-
-class CalmExit(BaseLayerExit):
-    """CALM (Schuster et al. 2022) softmax-confidence exit: max probability or top-2 margin."""
-
-    name = "calm"
-
-    def __init__(
-        self,
-        model: Transformer,
-        eos_ids: list[int],
-        decode=None,
-        threshold: float = 0.9,
-        measure: str = "maxprob",
-        exits: Any = None,
-        max_pending: int = 16,
-    ):
-        super().__init__(model, eos_ids, decode, max_pending)
-        n = model.cfg.num_layers
-        self.threshold = check_threshold(threshold)
-        if measure not in MEASURES:
-            raise SettingsError(f"measure must be one of {', '.join(MEASURES)}, got {measure!r}")
-        self.measure = measure
-        self.exits = check_layers("exits", exits if exits is not None else default_calm_exits(n), 1, n - 1)
-
-    def checks(self, index: int) -> list[int]:
-        return self.exits if self.threshold < 1.0 else []
-
-    def decide(self, h: Tensor, layer: int, index: int) -> tuple[Tensor | None, int]:
-        logits = self.model.head(h)[0, -1]
-        probs = torch.softmax(logits, -1)
-        if self.measure == "maxprob":
-            conf = float(probs.max())
-        else:
-            top = probs.topk(2).values
-            conf = float(top[0] - top[1])
-        return (logits if conf >= self.threshold else None), 1
-
-
-def default_depth(num_layers: int) -> int:
-    """Default exit layer of the static baselines: two thirds of the depth (30 layers: 20)."""
-    return max(1, round(2 * num_layers / 3))
-
-
-def default_calm_exits(num_layers: int) -> list[int]:
-    """Every sixth layer from a third of the depth (30 layers: 10, 16, 22, 28): each check costs an LM head."""
-    return list(range(num_layers // 3, num_layers, max(1, num_layers // 5)))
-
-
-def skip_schedule(index: int, budget: int, max_layer: int, min_layer: int) -> int:
-    """SkipDecode's exit budget for generated token ``index`` (0-based) of ``budget`` tokens.
-
-    Linear from ``max_layer`` at the first token to ``min_layer`` at the last, rounded to the
-    nearest layer (halves up); non-increasing in ``index`` (so a token finds K/V at every layer it runs).
-    """
-    if budget <= 1:
-        return max_layer
-    frac = min(index, budget - 1) / (budget - 1)
-    return math.floor(max_layer - (max_layer - min_layer) * frac + 0.5)
-
-
-class SkipDecoding(BaseLayerExit):
-    name = "skip-decoding"
-
-    def __init__(
-        self,
-        model: Transformer,
-        eos_ids: list[int],
-        decode=None,
-        max_layer: int | None = None,
-        min_layer: int | None = None,
-        max_pending: int = 16,
-    ):
-        super().__init__(model, eos_ids, decode, max_pending)
-        n = model.cfg.num_layers
-        self.max_layer = check_layer("max_layer", n if max_layer is None else max_layer, 1, n)
-        low = min(default_depth(n), self.max_layer) if min_layer is None else min_layer
-        self.min_layer = check_layer("min_layer", low, 1, self.max_layer)
-
-    def exit_layer(self, index: int) -> int:
-        return skip_schedule(index, self.budget, self.max_layer, self.min_layer)
-
-    def checks(self, index: int) -> list[int]:
-        layer = self.exit_layer(index)
-        return [layer] if layer < self.model.cfg.num_layers else []
-
-    def decide(self, h: Tensor, layer: int, index: int) -> tuple[Tensor | None, int]:
-        return self.model.head(h)[0, -1], 1
-
-
 # --------------------------------------------------------------------------- M2R2 fast-stream exits
 
 
@@ -547,7 +350,7 @@ class FastStreamExit(PendingDecoder):
     "max_pending, backoff (skip up to this many probes after probes that did not exit), adapters",
 )
 def _m2r2_dynamic(
-    engine: Engine,
+    engine: Loaded,
     threshold: float = 0.8,
     exits: Any = None,
     max_pending: int = 16,
@@ -561,32 +364,3 @@ def _m2r2_dynamic(
     fast.to(engine.model.device).freeze(merge=True)
     tok = engine.tokenizer
     return FastStreamExit(engine.model, fast, tok.eos_ids, tok.decode, threshold, exits, max_pending, backoff)
-
-
-@register("static-exit", "baseline (lossy): every token exits at base layer L (options layer, max_pending)")
-def _static_exit(engine: Engine, layer: int | None = None, max_pending: int = 16) -> StaticExit:
-    return StaticExit(engine.model, engine.tokenizer.eos_ids, engine.tokenizer.decode, layer, max_pending)
-
-
-@register(
-    "calm",
-    "baseline (lossy): CALM confidence exit on plain early-exit logits (options threshold, measure=maxprob|margin, "
-    "exits, max_pending)",
-)
-def _calm(
-    engine: Engine, threshold: float = 0.9, measure: str = "maxprob", exits: Any = None, max_pending: int = 16
-) -> CalmExit:
-    tok = engine.tokenizer
-    return CalmExit(engine.model, tok.eos_ids, tok.decode, threshold, measure, exits, max_pending)
-
-
-@register(
-    "skip-decoding",
-    "baseline (lossy): SkipDecode's exit budget falling linearly with position (options max_layer, min_layer, "
-    "max_pending)",
-)
-def _skip_decoding(
-    engine: Engine, max_layer: int | None = None, min_layer: int | None = None, max_pending: int = 16
-) -> SkipDecoding:
-    tok = engine.tokenizer
-    return SkipDecoding(engine.model, tok.eos_ids, tok.decode, max_layer, min_layer, max_pending)

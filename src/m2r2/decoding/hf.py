@@ -24,20 +24,20 @@ from m2r2.errors import M2R2Error, SettingsError
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from m2r2.engine import Engine
+    from m2r2.decoding.base import Loaded
 
 #: Prompt-lookup draft length, as in transformers' documentation and Spec-Bench.
 PLD_TOKENS = 10
 
 # One transformers model per engine, shared by all hf methods; weak so it goes with the engine.
-_MODELS: weakref.WeakKeyDictionary[Engine, PreTrainedModel] = weakref.WeakKeyDictionary()
+_MODELS: weakref.WeakKeyDictionary[Loaded, PreTrainedModel] = weakref.WeakKeyDictionary()
 
 
 class UnsupportedMethodError(M2R2Error):
     """A peer method that this installation (library version, architecture) cannot run."""
 
 
-def hf_model(engine: Engine) -> PreTrainedModel:
+def hf_model(engine: Loaded) -> PreTrainedModel:
     """The transformers model on the engine's weights, dtype and device (loaded once per engine)."""
     model = _MODELS.get(engine)
     if model is None:
@@ -45,7 +45,7 @@ def hf_model(engine: Engine) -> PreTrainedModel:
         from transformers import GenerationConfig as HFConfig
         from transformers.utils import logging as hf_logging
 
-        from m2r2.engine import parse_dtype
+        from m2r2.loading import parse_dtype
 
         hf_logging.set_verbosity_error()
         bars_on = hf_logging.is_progress_bar_enabled()
@@ -171,18 +171,18 @@ def _supports_early_exit(model: PreTrainedModel) -> bool:
 
 
 @register("hf", "transformers generate on the same weights (greedy or sampling)")
-def _hf(engine: Engine) -> HFGenerate:
+def _hf(engine: Loaded) -> HFGenerate:
     return HFGenerate("hf", hf_model(engine), engine.tokenizer.eos_ids, engine.tokenizer.decode)
 
 
 @register("hf-pld", f"transformers prompt lookup decoding ({PLD_TOKENS} draft tokens from n-gram matches)")
-def _hf_pld(engine: Engine) -> HFGenerate:
+def _hf_pld(engine: Loaded) -> HFGenerate:
     extra = {"prompt_lookup_num_tokens": PLD_TOKENS}
     return HFGenerate("hf-pld", hf_model(engine), engine.tokenizer.eos_ids, engine.tokenizer.decode, extra)
 
 
 @register("hf-early-exit", "transformers LayerSkip-style self-speculation: draft with the first layers, verify")
-def _hf_early_exit(engine: Engine, exit_layer: int | None = None) -> HFGenerate:
+def _hf_early_exit(engine: Loaded, exit_layer: int | None = None) -> HFGenerate:
     model = hf_model(engine)
     layers = int(model.config.num_hidden_layers)
     exit_layer = layers // 3 if exit_layer is None else int(exit_layer)
@@ -243,7 +243,7 @@ class LlamaCpp:
         )
 
 
-def _gguf_of(engine: Engine) -> str:
+def _gguf_of(engine: Loaded) -> str:
     """The GGUF the engine's model was converted from (only the bundled one can be found again)."""
     from m2r2.loading import BUNDLED, FINGERPRINT_FILE, bundled_gguf
 
@@ -257,7 +257,7 @@ def _gguf_of(engine: Engine) -> str:
 if importlib.util.find_spec("llama_cpp") is not None:
 
     @register("llamacpp", "llama.cpp (llama-cpp-python) on the original quantized GGUF")
-    def _llamacpp(engine: Engine, gguf: str | None = None) -> LlamaCpp:
+    def _llamacpp(engine: Loaded, gguf: str | None = None) -> LlamaCpp:
         return LlamaCpp(
             gguf or _gguf_of(engine), engine.tokenizer.eos_ids, engine.tokenizer.decode, torch.get_num_threads()
         )

@@ -35,7 +35,7 @@ from m2r2.errors import SettingsError
 from m2r2.model import ROW_INVARIANT_MAX_ROWS, Transformer
 
 if TYPE_CHECKING:
-    from m2r2.engine import Engine
+    from m2r2.decoding.base import Loaded
 
 
 class NgramPool:
@@ -186,5 +186,5 @@ class Lookahead:
 
 
 @register("lookahead", "Lookahead Decoding: Jacobi iteration + n-gram pool, training-free, greedy lossless")
-def _lookahead(engine: Engine, window: int = 5, ngram: int = 4, candidates: int = 5) -> Lookahead:
+def _lookahead(engine: Loaded, window: int = 5, ngram: int = 4, candidates: int = 5) -> Lookahead:
     return Lookahead(engine.model, engine.tokenizer.eos_ids, engine.tokenizer.decode, window, ngram, candidates)

@@ -17,12 +17,8 @@ the running acceptance rate.
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -41,13 +37,14 @@ from m2r2.decoding.base import (
     begin,
     warp_probs,
 )
+from m2r2.decoding.costs import CostModel, cached_costs, cost_cache_path, measure_costs
+from m2r2.decoding.tree import TreeSpeculative, build_tree_speculative
 from m2r2.errors import SettingsError
-from m2r2.loading import cache_root
 from m2r2.model import ROW_INVARIANT_MAX_ROWS, Transformer
 from m2r2.multirate.fast import DraftBlock, FastConfig, FastStream
 
 if TYPE_CHECKING:
-    from m2r2.engine import Engine
+    from m2r2.decoding.base import Loaded
 
 
 class Drafter(Protocol):
@@ -62,24 +59,6 @@ class Drafter(Protocol):
     def step(self, token: int) -> tuple[Tensor, float | None]:
         """Feed the next token of the block; return draft logits (``[V]`` float32) for the token after
         it and the probability that this draft will be accepted (None if the drafter has no estimate)."""
-
-
-@dataclass
-class CostModel:
-    """Measured seconds of one draft step and of verify passes over 1..k tokens."""
-
-    draft: float
-    verify: list[float]  # verify[k-1] = cost of a slow pass over k tokens
-
-    def best_length(self, accept: float, cap: int) -> int:
-        """Draft length g maximising expected emitted tokens ``(1 - a^(g+1)) / (1 - a)`` per second."""
-        a = min(max(accept, 0.0), 0.99)
-        best, best_rate = 0, 1.0 / self.verify[0]
-        for g in range(1, min(cap, len(self.verify) - 1) + 1):
-            rate = ((1 - a ** (g + 1)) / (1 - a)) / (g * self.draft + self.verify[g])
-            if rate > best_rate:
-                best, best_rate = g, rate
-        return best
 
 
 class SelfSpeculative:
@@ -241,99 +220,6 @@ class SelfSpeculative:
         return len(drafts), int(torch.multinomial(p[len(drafts)], 1, generator=rng))
 
 
-def measure_costs(
-    model: Transformer, drafter_factory: Callable[[object], Drafter], k_max: int, repeats: int = 5
-) -> CostModel:
-    """Time one draft step and verify passes of 1..k_max+1 tokens at a 128-token context.
-
-    Done once per strategy: these costs are machine-specific (on a CPU bf16 a verify pass of 8
-    tokens costs little more than one, in fp32 far more), which is why the cap is measured. The
-    timings are interleaved (draft, verify 1, ..., verify k+1, again) and the minimum is kept, so
-    a burst of load from elsewhere cannot make one of them look cheap relative to the others.
-    """
-    ctx = 128
-    cache = model.new_cache(ctx + k_max + 2)
-    ids = torch.arange(ctx, device=model.device)[None] % model.cfg.vocab_size
-    drafter = drafter_factory(cache)
-
-    def one_draft() -> None:
-        drafter.start(ctx)
-        drafter.step(1)
-
-    calls: list[Callable[[], object]] = [one_draft]
-    for k in range(1, k_max + 2):
-        block = torch.ones(1, k, dtype=torch.long, device=model.device)
-        calls.append(lambda block=block: model(block, cache, ctx))
-    best = [float("inf")] * len(calls)
-    with torch.inference_mode():
-        model(ids, cache, 0, last_only=True)
-        for f in calls:  # warm-up
-            f()
-        for _ in range(repeats):
-            for i, f in enumerate(calls):
-                t = time.perf_counter()
-                f()
-                best[i] = min(best[i], time.perf_counter() - t)
-    return CostModel(draft=best[0], verify=best[1:])
-
-
-#: Cached cost measurements older than this are measured again (machine load drifts).
-COST_CACHE_MAX_AGE_S = 24 * 3600
-
-
-def cost_cache_path(engine: Engine, fast: FastStream, k_max: int) -> Path:
-    """Where measured costs of this drafter on this machine are kept: ``$M2R2_CACHE/costs/<key>.json``.
-
-    The key holds everything the timings depend on (hardware, threads, versions, model, precision,
-    kernel, the drafter's shape: path, rank, folded or not, draft-vocabulary size) and nothing they
-    do not (the adapter values), so retrained adapters of the same shape reuse the measurement.
-    """
-    from m2r2.engine import cpu_name
-
-    parts = {
-        "cpu": cpu_name(),
-        "device": str(engine.model.device),
-        "gpu": torch.cuda.get_device_name(engine.model.device) if engine.model.device.type == "cuda" else "",
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "model": engine.fingerprint,
-        "dtype": engine.dtype_name,
-        "kernel": engine.kernel,
-        "fast": asdict(fast.cfg),
-        "adapters": fast.use_adapters,
-        "folded": fast.merged is not None,
-        "draft_vocab": 0 if fast.sub_head is None or fast.draft_vocab is None else len(fast.draft_vocab),
-        "k_max": k_max,
-    }
-    key = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
-    return cache_root() / "costs" / f"{key}.json"
-
-
-def cached_costs(path: Path, measure: Callable[[], CostModel]) -> CostModel:
-    """The costs stored at ``path`` if fresh and well-formed, else ``measure()`` stored there atomically.
-
-    Measuring takes ~2 s on the project's CPU, more than the rest of building the strategy; a
-    one-shot ``m2r2 generate`` should not pay it every time. A damaged file is measured again.
-    """
-    try:
-        if time.time() - path.stat().st_mtime < COST_CACHE_MAX_AGE_S:
-            raw = json.loads(path.read_text())
-            costs = CostModel(draft=float(raw["draft"]), verify=[float(v) for v in raw["verify"]])
-            if costs.draft > 0 and costs.verify and min(costs.verify) > 0:
-                return costs
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    costs = measure()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(asdict(costs)))
-        os.replace(tmp, path)
-    except OSError:  # a read-only cache only costs the next run a measurement
-        pass
-    return costs
-
-
 class FastStreamDrafter:
     """Drafts with the M2R2 fast stream: the path's base layers + adapters over the shared slow cache.
 
@@ -364,7 +250,7 @@ class FastStreamDrafter:
 
 def build_self_speculative(
     name: str,
-    engine: Engine,
+    engine: Loaded,
     fast: FastStream,
     max_draft: int = 8,
     stop_below: float = 0.2,
@@ -401,25 +287,37 @@ def build_self_speculative(
     )
 
 
-@register("m2r2", "M2R2 self-speculative decoding: the fast stream drafts, the slow stream verifies (lossless)")
+@register(
+    "m2r2",
+    "M2R2 self-speculation: the fast stream drafts (token trees when seeded), the slow stream verifies (lossless)",
+)
 def _m2r2(
-    engine: Engine,
+    engine: Loaded,
     adapters: str | None = None,
     max_draft: int = 8,
     stop_below: float = 0.2,
     use_arla: bool = True,
     adaptive: bool = True,
     cost_cache: bool = True,
-) -> SelfSpeculative:
-    from m2r2.multirate.io import load_default
+    max_nodes: int = 8,
+    max_depth: int = 5,
+    width: int = 2,
+    branch: int = 2,
+) -> SelfSpeculative | TreeSpeculative:
+    """Seeded adapters (the shipped default where they exist) draft token trees; prefix adapters draft chains."""
+    from m2r2.multirate.io import bundled_adapters, load_default
+    from m2r2.multirate.seeded import SeededFastStream
 
-    fast = load_default(engine.model, engine.fingerprint, Path(adapters) if adapters else None)
+    path = Path(adapters) if adapters else bundled_adapters(engine.fingerprint, "seeded")
+    fast = load_default(engine.model, engine.fingerprint, path)
+    if isinstance(fast, SeededFastStream):
+        return build_tree_speculative("m2r2", engine, fast, adaptive, cost_cache, max_nodes, max_depth, width, branch)
     return build_self_speculative("m2r2", engine, fast, max_draft, stop_below, use_arla, adaptive, cost_cache)
 
 
 @register("early-exit-spec", "ablation: the same self-speculative loop drafting by plain early exit (no adapters)")
 def _early_exit_spec(
-    engine: Engine,
+    engine: Loaded,
     depth: int | None = None,
     max_draft: int = 8,
     stop_below: float = 0.2,
@@ -429,7 +327,7 @@ def _early_exit_spec(
     from m2r2.multirate.io import bundled_adapters, read_meta
 
     if depth is None:  # same draft layers as the shipped adapters, so the ablation isolates them
-        shipped = bundled_adapters(engine.fingerprint)
+        shipped = bundled_adapters(engine.fingerprint, "prefix")
         depth = len(read_meta(shipped)["config"]["path"]) if shipped else engine.model.cfg.num_layers // 3
     cfg = FastConfig.build(engine.model.cfg.num_layers, depth=depth, rank=1)
     fast = FastStream(engine.model, cfg)  # zero-initialised B: every adapter delta is exactly zero

@@ -26,10 +26,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import sys
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +38,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from m2r2.errors import InputError, SettingsError, UnsupportedModelError
+from m2r2.files import atomic_dir
 from m2r2.loading import (
     FINGERPRINT_FILE,
     _write_fingerprint,
@@ -51,12 +50,13 @@ from m2r2.loading import (
     resolve_model,
 )
 from m2r2.model import MLP, Transformer
+from m2r2.paths import DEFAULT_ANSWERS, shipped_conversations
 
 #: Bump when the algorithm changes: it is part of the cache key of built models.
 MOEFY_VERSION = 1
 METHODS = ("coact", "weights")
 #: Distilled answers of the bundled model to the training prompts (``m2r2 distill-data``).
-DEFAULT_DATA = Path("runs/train/data.jsonl")
+DEFAULT_DATA = DEFAULT_ANSWERS
 #: The setting chosen by measured quality (see benchmarks/moe/MOEFY_NOTES.md): 16 routed experts of 64
 #: neurons, 8 per token, plus 512 always-on neurons, for SmolLM2's 1536-neuron FFNs (1024 of 1536 active).
 DEFAULT_EXPERTS = 16
@@ -224,12 +224,29 @@ def coverage(
 # --------------------------------------------------------------------------- build
 
 
-def read_sequences(data: Path, limit: int, max_len: int) -> list[list[int]]:
-    """Prompt + answer token ids of the first ``limit`` records of a distilled-answers JSONL."""
-    from m2r2.training.distill import load_distilled
+def calibration_data(data: Path, fallback: tuple[Path | None, ...] | None = None) -> Path:
+    """``data`` if it exists, else the first existing ``fallback`` (default: the project's shipped
+    training conversations), so ``bench --suite moe`` runs on a fresh clone without ``distill-data``."""
+    for path in (Path(data), *(fallback if fallback is not None else (shipped_conversations(),))):
+        if path is not None and path.is_file():
+            return path
+    raise InputError(f"MoEfication needs distilled answers at {data}: run `m2r2 distill-data` first")
 
-    recs = load_distilled(data)[:limit]
-    seqs = [(r["prompt_ids"] + r["answer_ids"])[:max_len] for r in recs]
+
+def read_sequences(data: Path, limit: int, max_len: int, model_dir: Path | None = None) -> list[list[int]]:
+    """Token ids of the first ``limit`` records: distilled answers (prompt + answer ids), or chat
+    conversations (``{"messages": [...]}``, tokenized with ``model_dir``'s chat template)."""
+    from m2r2.paths import load_distilled
+
+    with open(data, encoding="utf-8") as f:
+        rows = [json.loads(line) for line, _ in zip(filter(str.strip, f), range(limit), strict=False)]
+    if rows and "messages" in rows[0] and model_dir is not None:
+        from m2r2.tokenizer import ChatTokenizer
+
+        hf = ChatTokenizer(model_dir).hf
+        seqs = [[int(i) for i in hf.apply_chat_template(r["messages"], tokenize=True)][:max_len] for r in rows]
+    else:
+        seqs = [(r["prompt_ids"] + r["answer_ids"])[:max_len] for r in load_distilled(data)[:limit]]
     if not seqs:
         raise InputError(f"{data} holds no sequences")
     return seqs
@@ -319,20 +336,13 @@ def moefy(
             **(extra_config or {}),
         },
     )
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=".tmp-moefy-"))
-    try:
+    with atomic_dir(out_dir) as tmp:
         for f in src_dir.iterdir():  # tokenizer, chat template, generation config
             if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", FINGERPRINT_FILE):
                 shutil.copy(f, tmp / f.name)
         save_file({k: v.contiguous() for k, v in hf.items()}, tmp / "model.safetensors", metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2))
-        _write_fingerprint(tmp, source=f"moefy of {src_dir} ({loaded.fingerprint})")
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _write_fingerprint(tmp, source=f"moefy of {src_dir} ({loaded.fingerprint})", checksums=True)
     return stats
 
 
@@ -357,13 +367,13 @@ def moefy_default(
     """The MoEfied bundled SmolLM2 (or ``model``) in ``$M2R2_CACHE/models/<name>``, built once."""
     src = resolve_model(model, quiet=quiet)
     s = MoefySettings(experts=experts, top_k=top_k, method=method, shared=shared)
-    data = Path(data)
-    if not data.is_file():
-        raise InputError(f"MoEfication needs distilled answers at {data}: run `m2r2 distill-data` first")
+    data = calibration_data(Path(data))
     target = out or cache_root() / "models" / default_name(fingerprint(src), file_hash(data)[:16], s)
     if (target / FINGERPRINT_FILE).is_file() and (target / "config.json").is_file():
         return target
     if not quiet:
         print(f"m2r2: MoEfying {src.name} into {target} (E={experts}, top-k={top_k}, {method}) ...", file=sys.stderr)
-    moefy(src, target, read_sequences(data, s.sequences, s.max_len), s, quiet=quiet, extra_config={"data": str(data)})
+    moefy(
+        src, target, read_sequences(data, s.sequences, s.max_len, src), s, quiet=quiet, extra_config={"data": str(data)}
+    )
     return target

@@ -59,7 +59,6 @@ from m2r2.moe.cache import ExpertCache, Key
 from m2r2.moe.loader import Loader
 from m2r2.multirate.fast import FastStream, draft_mask, fast_layer
 
-POLICIES = ("on-demand", "next-gate", "m2r2", "oracle")
 #: Fast layers the ``m2r2`` policy runs per step. Measured on the MoEfied SmolLM2 (top-8 of 16, so
 #: chance precision is 0.5): fast layer j predicts layers ~2j ahead, with precision 0.77 at 1
 #: layer, ~0.6 at 10 and 0.50-0.55 at 18-20; running 5 of the 10 fast layers kept the hit rate
@@ -119,6 +118,57 @@ class CacheOnly:
         self.pinned = []
 
 
+class Accounting:
+    """What one generation's fetches met (hits, late, misses, stalls) and how its predictions scored.
+
+    Counts and stall seconds are kept per phase (prefill, decode); a decode-step prediction is
+    scored when its layer runs, per source and lookahead distance (layers between prediction and use).
+    """
+
+    def __init__(self) -> None:
+        self.counts: dict[str, Counter[str]] = defaultdict(Counter)
+        self.stall_s: Counter[str] = Counter()
+        self.preds: dict[int, list[tuple[str, int, set[int]]]] = defaultdict(list)  # need time -> predictions
+        self.scores: dict[tuple[str, int], list[int]] = defaultdict(lambda: [0, 0, 0])  # tp, predicted, actual
+        self.issued: set[tuple[int, str]] = set()
+        self.decode_start: dict[str, int] | None = None  # loader totals when decoding started
+
+    def predicted(self, need: int, source: str, distance: int, ids: list[int]) -> None:
+        """A decode-step prediction (the first per need time and source counts)."""
+        if (need, source) not in self.issued:
+            self.issued.add((need, source))
+            self.preds[need].append((source, distance, set(ids)))
+
+    def score(self, now: int, ids: list[int]) -> None:
+        """Score the predictions made for time ``now`` against the experts actually used."""
+        actual = set(ids)
+        for source, dist, pred in self.preds.pop(now, []):
+            s = self.scores[(source, dist)]
+            s[0] += len(pred & actual)
+            s[1] += len(pred)
+            s[2] += len(actual)
+        for t in [t for t in self.preds if t < now]:
+            del self.preds[t]
+
+    def report(self, loader_totals: dict[str, int]) -> dict[str, Any]:
+        """Counts, stall seconds and prediction scores of this generation."""
+        pr: dict[str, dict[str, dict[str, float]]] = defaultdict(dict)
+        for (source, dist), (tp, npred, nact) in sorted(self.scores.items()):
+            pr[source][str(dist)] = {
+                "precision": tp / npred if npred else 0.0,
+                "recall": tp / nact if nact else 0.0,
+                "predicted": npred,
+                "actual": nact,
+                "correct": tp,
+            }
+        return {
+            "counts": {k: dict(v) for k, v in self.counts.items()},
+            "stall_s": dict(self.stall_s),
+            "prediction": dict(pr),
+            "decode_start": self.decode_start or loader_totals,
+        }
+
+
 class Policy:
     """``on-demand``: the shared fetch/accounting machinery, with no predictions."""
 
@@ -134,12 +184,7 @@ class Policy:
         self.step = -1
         self.rows = 0
         self.pinned: list[Key] = []
-        self.counts: dict[str, Counter[str]] = defaultdict(Counter)
-        self.stall_s: Counter[str] = Counter()
-        self.preds: dict[int, list[tuple[str, int, set[int]]]] = defaultdict(list)  # need time -> predictions
-        self.scores: dict[tuple[str, int], list[int]] = defaultdict(lambda: [0, 0, 0])  # tp, predicted, actual
-        self.issued: set[tuple[int, str]] = set()
-        self.decode_start: dict[str, int] | None = None
+        self.acct = Accounting()
 
     # ------------------------------------------------------------------ hooks for subclasses
 
@@ -147,9 +192,9 @@ class Policy:
         """A forward pass over ``tokens`` (``[1, T]``) at cache position ``pos`` starts."""
         self.step += 1
         self.rows = tokens.numel()
-        if self.rows == 1 and self.decode_start is None:  # loader totals when decoding starts
+        if self.rows == 1 and self.acct.decode_start is None:
             with self.cache.cond:
-                self.decode_start = {"bytes": self.loader.stats.bytes, "loads": self.loader.stats.loads}
+                self.acct.decode_start = self.loader_totals()
 
     def hints(self, layer: int, ids: list[int], resid: Tensor | None) -> list[tuple[int, list[int], str, int]]:
         """Predictions made at slow ``layer`` before waiting: ``(target layer, ids, source, steps ahead)``."""
@@ -194,30 +239,22 @@ class Policy:
         need = self.time_of(layer, steps_ahead)
         if need <= self.cache.now:
             return
-        if self.phase == "decode" and (need, source) not in self.issued:
-            self.issued.add((need, source))
-            self.preds[need].append((source, need - at, set(ids)))
+        if self.phase == "decode":
+            self.acct.predicted(need, source, need - at, ids)
         for i, e in enumerate(ids):
             key = (layer, e)
             self.cache.predict(key, need)
             if (load is None or i < load) and not self.cache.is_ready(key):
                 self.loader.request(key, need)
 
-    def _score(self, now: int, ids: list[int]) -> None:
-        actual = set(ids)
-        for source, dist, pred in self.preds.pop(now, []):
-            s = self.scores[(source, dist)]
-            s[0] += len(pred & actual)
-            s[1] += len(pred)
-            s[2] += len(actual)
-        for t in [t for t in self.preds if t < now]:
-            del self.preds[t]
+    def loader_totals(self) -> dict[str, int]:
+        return {"bytes": self.loader.stats.bytes, "loads": self.loader.stats.loads}
 
     def fetch(self, layer: int, ids: list[int], resid: Tensor | None) -> dict[int, tuple[Tensor, Tensor]]:
         cache, loader = self.cache, self.loader
         now = self.time_of(layer)
         hints = self.hints(layer, ids, resid)  # router matmuls: outside the lock
-        c = self.counts[self.phase]
+        c = self.acct.counts[self.phase]
         keys = [(layer, e) for e in ids]
         t_call = time.perf_counter()
         with cache.cond:
@@ -238,7 +275,7 @@ class Policy:
             self.pinned = keys
             c["requests"] += len(keys)
             if self.phase == "decode":
-                self._score(now, ids)
+                self.acct.score(now, ids)
             for target, eids, source, ahead in hints:
                 self.issue(target, eids, source, ahead, now)
             ready_now = all(cache.is_ready(k, t_call) for k in keys)
@@ -257,7 +294,7 @@ class Policy:
             out = {e: cache.weights(k) for e, k in zip(ids, keys, strict=True)}
         if waited or deadline > time.perf_counter():
             wait_until(deadline)
-            self.stall_s[self.phase] += time.perf_counter() - t_wait
+            self.acct.stall_s[self.phase] += time.perf_counter() - t_wait
             c["stalls"] += 1
         if ready_now or not self.overlap:
             self.after_fetch(layer)
@@ -265,21 +302,7 @@ class Policy:
 
     def report(self) -> dict[str, Any]:
         """Counts, stall seconds and prediction scores of this generation."""
-        pr: dict[str, dict[str, dict[str, float]]] = defaultdict(dict)
-        for (source, dist), (tp, npred, nact) in sorted(self.scores.items()):
-            pr[source][str(dist)] = {
-                "precision": tp / npred if npred else 0.0,
-                "recall": tp / nact if nact else 0.0,
-                "predicted": npred,
-                "actual": nact,
-                "correct": tp,
-            }
-        return {
-            "counts": {k: dict(v) for k, v in self.counts.items()},
-            "stall_s": dict(self.stall_s),
-            "prediction": dict(pr),
-            "decode_start": self.decode_start or {"bytes": self.loader.stats.bytes, "loads": self.loader.stats.loads},
-        }
+        return self.acct.report(self.loader_totals())
 
 
 class NextGate(Policy):
@@ -425,6 +448,20 @@ class TraceRecorder:
         pass
 
 
+#: Every policy by name, and what its construction needs beyond the model, cache and loader.
+POLICY_TABLE: dict[str, tuple[type[Policy], str | None]] = {
+    "on-demand": (Policy, None),
+    "next-gate": (NextGate, None),
+    "m2r2": (M2R2Prefetch, "fast"),
+    "oracle": (Oracle, "trace"),
+}
+POLICIES = tuple(POLICY_TABLE)
+_NEEDS = {
+    "fast": "the m2r2 policy needs a fast stream (adapters trained for this MoE model)",
+    "trace": "the oracle policy needs a routing trace of the same generation",
+}
+
+
 def make_policy(
     name: str,
     model: Transformer,
@@ -434,16 +471,12 @@ def make_policy(
     trace: Trace | None = None,
     **options: Any,
 ) -> Policy:
-    if name == "on-demand":
-        return Policy(model, cache, loader, **options)
-    if name == "next-gate":
-        return NextGate(model, cache, loader, **options)
-    if name == "m2r2":
-        if fast is None:
-            raise SettingsError("the m2r2 policy needs a fast stream (adapters trained for this MoE model)")
-        return M2R2Prefetch(model, cache, loader, fast, **options)
-    if name == "oracle":
-        if trace is None:
-            raise SettingsError("the oracle policy needs a routing trace of the same generation")
-        return Oracle(model, cache, loader, trace, **options)
-    raise SettingsError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
+    if name not in POLICY_TABLE:
+        raise SettingsError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
+    cls, need = POLICY_TABLE[name]
+    if need is None:
+        return cls(model, cache, loader, **options)
+    extra = fast if need == "fast" else trace
+    if extra is None:
+        raise SettingsError(_NEEDS[need])
+    return cls(model, cache, loader, extra, **options)  # type: ignore[call-arg]

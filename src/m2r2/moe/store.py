@@ -30,6 +30,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from m2r2.errors import WeightsError
+from m2r2.files import atomic_write
 
 FORMAT = "m2r2-experts"
 #: safetensors dtype names of the dtypes we store.
@@ -94,13 +95,7 @@ class ExpertStore:
             tensors[tensor_name(layer, e, "w2")] = w2
             crcs[f"{layer}.{e}"] = _crc(w13, w2)
         meta = {"format": FORMAT, "crc32": json.dumps(crcs), **(info or {})}
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        try:
-            save_file(tensors, str(tmp), metadata=meta)
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
-        return path
+        return atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
 
     # ------------------------------------------------------------------ reading
 

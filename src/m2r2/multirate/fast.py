@@ -22,7 +22,8 @@ from torch import Tensor, nn
 
 from m2r2.cache import KVCache
 from m2r2.errors import InputError, SettingsError
-from m2r2.model import Block, Transformer, attend, dense_weight, linear_like
+from m2r2.kernels import dense_weight, linear_like
+from m2r2.model import Block, Transformer, attend
 from m2r2.multirate.adapters import LayerAdapters
 from m2r2.multirate.arla import ARLA
 

@@ -194,7 +194,7 @@ def _machine(engine: Engine) -> dict[str, Any]:
 
     import torch
 
-    from m2r2.engine import cpu_name
+    from m2r2.machine import cpu_name
 
     return {
         "model": engine.model_dir.name,

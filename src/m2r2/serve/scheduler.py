@@ -31,11 +31,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import Tensor
 
 from m2r2.decoding.base import GenerationConfig, Sampler, Stopper, begin
 from m2r2.decoding.speculative import SelfSpeculative
+from m2r2.decoding.tree import TreeSpeculative
 from m2r2.errors import M2R2Error, SettingsError
+from m2r2.kernels import head_argmax
 
 if TYPE_CHECKING:
     from m2r2.cache import KVCache
@@ -100,19 +101,6 @@ class Job:
         }
 
 
-def greedy_safe(logits: Tensor, dtype: torch.dtype) -> Tensor:
-    """Rows ``[B, V]`` whose argmax cannot change under the head kernel's few-ulp row-count effects.
-
-    oneDNN's bf16 head gives a one-row pass slightly different bits than a multi-row pass (measured:
-    at most one bf16 ulp of the logit), while every layer kernel is row-invariant. A row whose top
-    logit leads the runner-up by more than 4 ulps (of the model's dtype, at the top logit's magnitude)
-    has the same argmax either way; the rest are recomputed alone.
-    """
-    top = logits.topk(2, dim=-1).values
-    ulp = torch.finfo(dtype).eps * torch.exp2(torch.floor(torch.log2(top[:, 0].abs().clamp_min(1e-30))))
-    return (top[:, 0] - top[:, 1]) > 4 * ulp
-
-
 class Scheduler:
     """Admits jobs into a running batch and decodes them together in a background thread."""
 
@@ -124,10 +112,10 @@ class Scheduler:
         self.engine = engine
         self.model: Transformer = engine.model
         self.method = engine.resolve_method(method)
-        self.spec: SelfSpeculative | None = None
+        self.spec: SelfSpeculative | TreeSpeculative | None = None
         if self.method != "vanilla":
             strategy = engine.strategy(self.method)
-            if not isinstance(strategy, SelfSpeculative):
+            if not isinstance(strategy, SelfSpeculative | TreeSpeculative):
                 raise SettingsError(
                     f"the server decodes with vanilla or a self-speculative method (m2r2, early-exit-spec), "
                     f"not {self.method!r}"
@@ -249,11 +237,14 @@ class Scheduler:
     def _start(self, jobs: list[Job]) -> None:
         """Prefill a job's prompt into a fresh cache (as every strategy does) and emit its first token."""
         (job,) = jobs
-        job.t0, job.stopper, job.cache, logits = begin(self.model, job.prompt, job.gen, self.eos, self.decode)
+        hidden: list = []
+        job.t0, job.stopper, job.cache, logits = begin(self.model, job.prompt, job.gen, self.eos, self.decode, hidden)
         job.sampler = Sampler(job.gen, self.model.device)
         if self.spec is not None:
             job.drafter = self.spec.make_drafter(job.cache)
             job.accept_rate = self.spec.prior_accept
+            if hasattr(job.drafter, "h_last"):  # a seeded drafter starts from the prompt's final slow state
+                job.drafter.h_last = hidden[0]
         self._push(job, [job.sampler(logits[0, -1])])
 
     def _push(self, job: Job, new: list[int]) -> None:
@@ -284,16 +275,14 @@ class Scheduler:
         model = self.model
         caches = [j.cache for j in jobs]
         hidden = model.step_rows([j.tok for j in jobs], caches)  # type: ignore[arg-type]
-        logits = model.head(hidden)[:, 0]
-        if len(jobs) > 1:
-            # one-row head bits for sampled rows and near-tied greedy rows (see greedy_safe)
-            safe = greedy_safe(logits, model.dtype).tolist()
-            for b, job in enumerate(jobs):
-                if not (job.gen.greedy and safe[b]):
-                    logits[b] = model.head(hidden[b : b + 1])[0, 0]
+        # greedy rows: each row's lone-step argmax at one head's cost; sampled rows: their one-row logits
+        greedy_ids = head_argmax(model, hidden[:, 0]).tolist() if any(j.gen.greedy for j in jobs) else []
         self.counts["batched_steps"] += 1
         self.counts["peak_batch"] = max(self.counts["peak_batch"], len(jobs))
         for b, job in enumerate(jobs):
             job.batched_steps += 1
+            if hasattr(job.drafter, "h_last"):  # keep a seeded drafter's seed current across batched steps
+                job.drafter.h_last = hidden[b : b + 1]
             assert job.sampler is not None
-            self._push(job, [job.sampler(logits[b])])
+            tok = greedy_ids[b] if job.gen.greedy else job.sampler(model.head(hidden[b : b + 1])[0, 0])
+            self._push(job, [tok])

@@ -7,7 +7,6 @@ is needed for a resumed run to continue bit-for-bit.
 
 from __future__ import annotations
 
-import os
 import pickle
 import zipfile
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any
 import torch
 
 from m2r2.errors import SettingsError, WeightsError
+from m2r2.files import atomic_write
 
 #: Settings that change the training trajectory; a resume must match them exactly.
 TRAJECTORY_KEYS = ("seed", "batch", "max_len", "lr", "warmup", "gamma_max", "align_w", "kl_w", "arla_w", "arla_frac")
@@ -23,13 +23,7 @@ TRAJECTORY_KEYS = ("seed", "batch", "max_len", "lr", "warmup", "gamma_max", "ali
 
 def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
     """``torch.save`` into a temporary sibling, then rename: a crash never leaves half a checkpoint."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        torch.save(state, tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    atomic_write(path, lambda tmp: torch.save(state, tmp))
 
 
 def load_checkpoint(

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from m2r2.errors import InputError, SettingsError
 from m2r2.model import Transformer
+from m2r2.paths import load_distilled, refuse_eval  # noqa: F401 (load_distilled: re-exported)
 
 #: Sampling weights per source: math (gsm8k) and code make up ~68% of the raw file, so they are
 #: capped at ~25% together; the remaining chat-like sources share the rest. Unknown sources get 0.1.
@@ -35,12 +36,6 @@ SOURCE_WEIGHTS: dict[str, float] = {
     "instruction_wild": 0.13,
     "self_instruct_seed": 0.06,
 }
-
-
-def refuse_eval(path: Path) -> None:
-    """Never let eval prompts into training data (the eval directory is refused by name)."""
-    if "eval" in Path(path).resolve().parts:
-        raise SettingsError(f"{path} is an eval set; training data must come from the train split")
 
 
 def read_prompts(path: Path) -> list[dict[str, Any]]:
@@ -188,20 +183,6 @@ def distill(
             if progress is not None:
                 progress(len(seen) + written, kept, time.perf_counter() - t0)
     return written
-
-
-def load_distilled(path: Path) -> list[dict[str, Any]]:
-    """Records written by :func:`distill` (skipping a half-written last line)."""
-    refuse_eval(path)
-    recs = []
-    for line in Path(path).read_text().splitlines():
-        try:
-            recs.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    if not recs:
-        raise InputError(f"{path} holds no distilled answers; run `m2r2 distill-data` first")
-    return recs
 
 
 def to_tensor(ids: list[int]) -> Tensor:

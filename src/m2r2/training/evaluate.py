@@ -12,16 +12,21 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
+from m2r2.decoding.costs import expected_tokens
 from m2r2.errors import InputError
+from m2r2.files import atomic_text
 from m2r2.model import Transformer
 from m2r2.multirate.adapters import projection_shapes
 from m2r2.multirate.fast import FastStream, block_starts
 from m2r2.training.loop import collate, make_sequences
+
+if TYPE_CHECKING:
+    from m2r2.decoding.base import Loaded
 
 THRESHOLDS = (0.5, 0.7, 0.9)
 
@@ -57,8 +62,7 @@ def expected_speedup(alpha: float, cost_ratio: float, max_gamma: int = 8) -> tup
     """Best ``(speedup, gamma)`` for i.i.d. acceptance ``alpha`` (Leviathan et al.'s formula)."""
     best = (1.0, 0)
     for g in range(1, max_gamma + 1):
-        tokens = (1 - alpha ** (g + 1)) / (1 - alpha) if alpha < 1 else g + 1
-        best = max(best, (tokens / (g * cost_ratio + 1), g))
+        best = max(best, (expected_tokens(alpha, g) / (g * cost_ratio + 1), g))
     return best
 
 
@@ -142,3 +146,52 @@ def markdown(rep: dict[str, Any]) -> str:
         f"{rep['expected_speedup']:.2f}x at gamma={rep['best_gamma']}."
     )
     return "\n".join(lines)
+
+
+def eval_align(
+    engine: Loaded,
+    dataset: str,
+    eval_root: Path,
+    limit: int,
+    max_new_tokens: int,
+    batch: int,
+    block: int = 1,
+    adapters: Path | None = None,
+    answers: Path | None = None,
+    merged: bool = False,
+) -> dict[str, Any]:
+    """``m2r2 eval-align``: teacher-forced agreement on the base model's greedy answers to eval prompts.
+
+    ``answers`` keeps those answers (JSONL) so that several adapters are compared on the same ones.
+    """
+    from m2r2.multirate.io import load_default
+    from m2r2.multirate.seeded import SeededFastStream
+    from m2r2.training.distill import generate_batch
+
+    stream = load_default(engine.model, engine.fingerprint, adapters)
+    seeded = isinstance(stream, SeededFastStream)
+    if not seeded:
+        stream.to(engine.model.device).freeze(merge=merged)
+    prompts = eval_prompts(dataset, eval_root, limit)
+    ids = [engine.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in prompts]
+    records: list[dict[str, Any]] = []
+    if answers is not None and answers.is_file():  # the base model's answers, reused across adapters
+        records = [json.loads(x) for x in answers.read_text().splitlines() if x.strip()]
+        if [r["prompt_ids"] for r in records] != ids:
+            raise InputError(f"{answers} holds answers to other prompts; delete it or pick another path")
+    with torch.inference_mode():
+        for i in range(0 if not records else len(ids), len(ids), batch):
+            out = generate_batch(engine.model, ids[i : i + batch], max_new_tokens, engine.tokenizer.eos_ids)
+            records += [{"prompt_ids": p, "answer_ids": a} for p, a in zip(ids[i : i + batch], out, strict=True)]
+        if answers is not None and not answers.is_file():
+            atomic_text(answers, "".join(json.dumps(r) + "\n" for r in records))
+        if seeded:  # per draft position, the training form (float32) over the same answers
+            from m2r2.training.seeded_train import held_out_agreement
+
+            seqs = [(r["prompt_ids"] + r["answer_ids"], len(r["prompt_ids"])) for r in records]
+            agree = held_out_agreement(engine.model, stream, seqs, chain=4)
+            rep = {"kind": "seeded", "layers": stream.cfg.layers, "agree_per_draft_position": agree}
+        else:
+            rep = align_report(stream, records, block=block)
+    rep["dataset"], rep["prompts"] = dataset, len(prompts)
+    return rep

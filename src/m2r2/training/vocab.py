@@ -18,12 +18,16 @@ import json
 from collections import Counter
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from m2r2.errors import InputError, SettingsError
-from m2r2.training.distill import refuse_eval
+from m2r2.paths import refuse_eval
+
+if TYPE_CHECKING:
+    from m2r2.decoding.base import Loaded
 
 
 def count_tokens(seqs: Iterable[list[int]]) -> Counter[int]:
@@ -98,3 +102,30 @@ def build_from_files(
     answers = count_tokens(r["answer_ids"] for r in load_distilled(data))
     prompt_counts = count_tokens(encode(read_prompt_texts(prompts))) if prompts is not None else Counter()
     return draft_vocabulary(answers, prompt_counts, size, vocab_size, keep)
+
+
+def write_draft_vocab(
+    engine: Loaded, adapters: Path | None, data: Path, prompts: Path | None, size: int, out: Path | None = None
+) -> tuple[Path, int]:
+    """``m2r2 draft-vocab``: store the ``size`` most frequent tokens in an adapter file (rewritten
+    atomically, or written to ``out``); returns the file and the vocabulary size kept."""
+    from m2r2.multirate.io import bundled_adapters, load_adapters, read_meta, save_adapters
+
+    src = adapters or bundled_adapters(engine.fingerprint, "prefix")
+    if src is None:
+        raise InputError("no adapters ship for this base model; pass --adapters PATH")
+    stream = load_adapters(src, engine.model, engine.fingerprint)
+    hf = engine.tokenizer.hf
+
+    def encode(texts: list[str]) -> list[list[int]]:
+        return hf(texts, add_special_tokens=False)["input_ids"]
+
+    vocab = engine.model.cfg.vocab_size
+    size = min(size, vocab)
+    stream.draft_vocab = build_from_files(data, prompts, size, vocab, engine.tokenizer.eos_ids, encode)
+    written = ("format", "version", "config", "base_fingerprint", "weights_sha256", "dtype")  # save_adapters' own
+    info = {k: v for k, v in read_meta(src).items() if k not in written}
+    info["draft_vocab"] = {"size": size, "data": str(data), "prompts": str(prompts) if prompts else None}
+    out = out or src
+    save_adapters(out, stream, engine.fingerprint, **info)
+    return out.with_suffix(".safetensors"), size

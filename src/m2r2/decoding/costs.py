@@ -1,0 +1,144 @@
+"""What a draft step and a verify pass cost on this machine, and the draft length that pays best.
+
+The self-speculative loop caps each draft at the length that maximises expected tokens per second
+(:meth:`CostModel.best_length`) given measured costs. Measuring takes seconds, so the costs are
+kept per machine and drafter shape in ``$M2R2_CACHE/costs`` for a day.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+
+from m2r2.files import atomic_text
+from m2r2.loading import cache_root
+from m2r2.machine import cpu_name
+
+C = TypeVar("C")
+
+if TYPE_CHECKING:
+    from m2r2.decoding.base import Loaded
+    from m2r2.model import Transformer
+    from m2r2.multirate.fast import FastStream
+    from m2r2.multirate.seeded import SeededFastStream
+
+
+def expected_tokens(accept: float, drafts: int) -> float:
+    """Tokens one round emits on average when each of ``drafts`` drafts is accepted with i.i.d.
+    probability ``accept`` (Leviathan et al.): the accepted prefix plus the verifier's own token."""
+    return (1 - accept ** (drafts + 1)) / (1 - accept) if accept < 1 else drafts + 1.0
+
+
+@dataclass
+class CostModel:
+    """Measured seconds of one draft step and of verify passes over 1..k tokens."""
+
+    draft: float
+    verify: list[float]  # verify[k-1] = cost of a slow pass over k tokens
+
+    def best_length(self, accept: float, cap: int) -> int:
+        """Draft length g maximising expected emitted tokens ``(1 - a^(g+1)) / (1 - a)`` per second."""
+        a = min(max(accept, 0.0), 0.99)
+        best, best_rate = 0, 1.0 / self.verify[0]
+        for g in range(1, min(cap, len(self.verify) - 1) + 1):
+            rate = expected_tokens(a, g) / (g * self.draft + self.verify[g])
+            if rate > best_rate:
+                best, best_rate = g, rate
+        return best
+
+
+def measure_costs(model: Transformer, drafter_factory: Callable[[Any], Any], k_max: int, repeats: int = 5) -> CostModel:
+    """Time one draft step and verify passes of 1..k_max+1 tokens at a 128-token context.
+
+    Done once per strategy: these costs are machine-specific (on a CPU bf16 a verify pass of 8
+    tokens costs little more than one, in fp32 far more), which is why the cap is measured. The
+    timings are interleaved (draft, verify 1, ..., verify k+1, again) and the minimum is kept, so
+    a burst of load from elsewhere cannot make one of them look cheap relative to the others.
+    """
+    ctx = 128
+    cache = model.new_cache(ctx + k_max + 2)
+    ids = torch.arange(ctx, device=model.device)[None] % model.cfg.vocab_size
+    drafter = drafter_factory(cache)
+
+    def one_draft() -> None:
+        drafter.start(ctx)
+        drafter.step(1)
+
+    calls: list[Callable[[], object]] = [one_draft]
+    for k in range(1, k_max + 2):
+        block = torch.ones(1, k, dtype=torch.long, device=model.device)
+        calls.append(lambda block=block: model(block, cache, ctx))
+    best = [float("inf")] * len(calls)
+    with torch.inference_mode():
+        model(ids, cache, 0, last_only=True)
+        for f in calls:  # warm-up
+            f()
+        for _ in range(repeats):
+            for i, f in enumerate(calls):
+                t = time.perf_counter()
+                f()
+                best[i] = min(best[i], time.perf_counter() - t)
+    return CostModel(draft=best[0], verify=best[1:])
+
+
+#: Cached cost measurements older than this are measured again (machine load drifts).
+COST_CACHE_MAX_AGE_S = 24 * 3600
+
+
+def cost_cache_path(engine: Loaded, fast: FastStream | SeededFastStream, k_max: int) -> Path:
+    """Where measured costs of this drafter on this machine are kept: ``$M2R2_CACHE/costs/<key>.json``.
+
+    The key holds everything the timings depend on (hardware, threads, versions, model, precision,
+    kernel, the drafter's shape: path, rank, folded or not, draft-vocabulary size) and nothing they
+    do not (the adapter values), so retrained adapters of the same shape reuse the measurement.
+    """
+    parts = {
+        "cpu": cpu_name(),
+        "device": str(engine.model.device),
+        "gpu": torch.cuda.get_device_name(engine.model.device) if engine.model.device.type == "cuda" else "",
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "model": engine.fingerprint,
+        "dtype": engine.dtype_name,
+        "kernel": engine.kernel,
+        "fast": asdict(fast.cfg),
+        "adapters": getattr(fast, "use_adapters", True),
+        "folded": fast.merged is not None,
+        "draft_vocab": 0 if fast.sub_head is None or fast.draft_vocab is None else len(fast.draft_vocab),
+        "k_max": k_max,
+    }
+    key = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
+    return cache_root() / "costs" / f"{key}.json"
+
+
+def _cost_model(raw: dict[str, Any]) -> CostModel:
+    costs = CostModel(draft=float(raw["draft"]), verify=[float(v) for v in raw["verify"]])
+    if not (costs.draft > 0 and costs.verify and min(costs.verify) > 0):
+        raise ValueError("non-positive cost")
+    return costs
+
+
+def cached_costs(path: Path, measure: Callable[[], C], parse: Callable[[dict[str, Any]], C] = _cost_model) -> C:  # type: ignore[assignment]
+    """The costs stored at ``path`` if fresh and well-formed (``parse`` raises otherwise), else
+    ``measure()`` stored there atomically.
+
+    Measuring takes ~2 s on the project's CPU, more than the rest of building the strategy; a
+    one-shot ``m2r2 generate`` should not pay it every time. A damaged file is measured again.
+    """
+    try:
+        if time.time() - path.stat().st_mtime < COST_CACHE_MAX_AGE_S:
+            return parse(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    costs = measure()
+    with contextlib.suppress(OSError):  # a read-only cache only costs the next run a measurement
+        atomic_text(path, json.dumps(asdict(costs)))
+    return costs

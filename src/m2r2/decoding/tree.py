@@ -1,0 +1,423 @@
+"""M2R2 self-speculation with the seeded fast stream: token trees verified in one slow pass.
+
+Round: the slow stream has verified ``L`` positions and produced the next token ``x`` and the final
+state ``h_N(L-1)``. The fast stream (:mod:`m2r2.multirate.seeded`) drafts a tree under ``x``:
+depth by depth, the ``width`` most probable open nodes (by path probability, the product of draft
+probabilities from the root) are expanded in one fast step, each adding its ``branch`` most likely
+children. The tree kept for verification is the most probable nodes, as many as maximise expected
+tokens per second under measured costs (draft step and verify passes of k rows; a path's
+probability, calibrated online by how often drafts are accepted, is its chance of being accepted).
+One slow pass over ``[x, nodes...]`` with a tree mask (each row sees the verified prefix and its
+ancestors; :class:`m2r2.model.GappedMask` gives each row the bits a decoding step would) yields the
+slow argmax of every node; the longest path whose tokens match is accepted, its K/V is compacted
+behind the prefix (:meth:`KVCache.keep`), and the slow state of its last node seeds the next round.
+
+Greedy output is token-for-token the plain greedy output: a node is accepted only where it equals
+the slow argmax, and the slow model supplies the token after the path. With sampling the draft is a
+chain (width 1, branch 1) verified by standard speculative sampling, which is exact.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from m2r2.decoding.base import (
+    CACHE_SLACK,
+    GenerationConfig,
+    GenerationResult,
+    Sampler,
+    Stopper,
+    StreamCallback,
+    begin,
+    warp_probs,
+)
+from m2r2.decoding.costs import cached_costs, cost_cache_path
+from m2r2.errors import SettingsError
+from m2r2.kernels import head_argmax
+from m2r2.model import ROW_INVARIANT_MAX_ROWS, Transformer
+from m2r2.multirate.seeded import SeededFastStream
+
+if TYPE_CHECKING:
+    from m2r2.cache import KVCache
+    from m2r2.decoding.base import Loaded
+
+
+@dataclass
+class TreeCosts:
+    """Seconds of one fast step over ``r`` rows (``draft[r-1]``) and of slow passes over k rows (``verify[k-1]``)."""
+
+    draft: list[float]
+    verify: list[float]
+
+
+@dataclass
+class Tree:
+    """Draft nodes in creation order; node 0 is the root (the verified next token, not a draft)."""
+
+    tokens: list[int]
+    parents: list[int]
+    depths: list[int]
+    scores: list[float]  # path probability of each node (root 1.0)
+    probs: list[Tensor | None] = field(default_factory=list)  # sampling: the draft distribution of each node
+
+    def ancestors(self, rows: list[int]) -> Tensor:
+        """``[n, n]`` boolean: row i sees row j when j is i or an ancestor of i (among ``rows``)."""
+        index = {r: i for i, r in enumerate(rows)}
+        m = torch.zeros(len(rows), len(rows), dtype=torch.bool)
+        for i, r in enumerate(rows):
+            a = r
+            while a >= 0:
+                m[i, index[a]] = True
+                a = self.parents[a]
+        return m
+
+
+@dataclass
+class TreeState:
+    """One sequence's drafting state between rounds: the final slow state of its last verified
+    position (the seed) and the running calibration of path probabilities, plus counts."""
+
+    h_last: Tensor | None = None
+    calib: float = 1.0
+    passes: int = 0
+    rows: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    draft_steps: int = 0
+
+
+class TreeSpeculative:
+    """Lossless speculative decoding drafting token trees with a :class:`SeededFastStream`."""
+
+    def __init__(
+        self,
+        name: str,
+        model: Transformer,
+        fast: SeededFastStream,
+        eos_ids: list[int],
+        decode: object = None,
+        max_nodes: int = 8,
+        max_depth: int = 5,
+        width: int = 2,
+        branch: int = 2,
+        costs: TreeCosts | None = None,
+    ) -> None:
+        limit = min(CACHE_SLACK, ROW_INVARIANT_MAX_ROWS) - 1
+        if not 1 <= max_nodes <= limit:
+            raise SettingsError(f"max_nodes must be in 1..{limit}, got {max_nodes}")
+        for opt, val in (("max_depth", max_depth), ("width", width), ("branch", branch)):
+            if not 1 <= val <= limit:
+                raise SettingsError(f"{opt} must be in 1..{limit}, got {val}")
+        self.name, self.model, self.fast, self.eos_ids, self.decode = name, model, fast, eos_ids, decode
+        self.max_nodes, self.max_depth, self.width, self.branch = max_nodes, max_depth, width, branch
+        self.costs = costs
+        self.last_cache: KVCache | None = None
+
+    # ---- drafting -------------------------------------------------------------------------------
+    def draft(self, h_last: Tensor, tok: int, cache: KVCache, room: int, gen: GenerationConfig) -> Tree:
+        """Grow a tree under ``tok`` (node 0) for at most ``room`` nodes besides the root."""
+        greedy = gen.greedy
+        width, branch = (self.width, self.branch) if greedy else (1, 1)
+        depth_cap = min(self.max_depth, room)
+        tree = Tree([tok], [-1], [0], [1.0], [None])
+        verified = cache.length
+        dev = self.model.device
+        fast_kv = None
+        kv_rows: list[int] = []  # tree node of each fast K/V row so far
+        seeds, frontier = h_last, [0]
+        for _ in range(depth_cap):
+            rows = kv_rows + frontier
+            vis = tree.ancestors(rows)[len(kv_rows) :]  # new rows over old + new fast keys
+            positions = torch.tensor([verified + tree.depths[r] for r in frontier], device=dev)
+            tokens = torch.tensor([[tree.tokens[r] for r in frontier]], device=dev)
+            states, fast_kv = self.fast.step(seeds, tokens, positions, cache, verified, fast_kv, vis.to(dev))
+            kv_rows = rows
+            if greedy:
+                top_ids, top_p = self.fast.draft_top(states[-1][0], branch)  # [n, branch]
+            else:
+                q = warp_probs(self.fast.draft_logits(states[-1])[0], gen)  # [n, V]
+            cands: list[tuple[float, int, int, int]] = []  # (score, parent row in frontier, token, i)
+            for i, r in enumerate(frontier):
+                if greedy:
+                    for p, t in zip(top_p[i].tolist(), top_ids[i].tolist(), strict=True):
+                        cands.append((tree.scores[r] * p, i, t, r))
+                else:
+                    t = int(torch.multinomial(q[i], 1, generator=self._rng))
+                    cands.append((tree.scores[r] * float(q[i, t]), i, t, r))
+            cands.sort(key=lambda c: -c[0])
+            new, new_seed_rows = [], []
+            for score, i, t, r in cands:
+                tree.tokens.append(t)
+                tree.parents.append(r)
+                tree.depths.append(tree.depths[r] + 1)
+                tree.scores.append(score)
+                tree.probs.append(None if greedy else q[i])
+                new.append(len(tree.tokens) - 1)
+                new_seed_rows.append(i)
+            frontier = new[:width]
+            if not frontier or len(tree.tokens) - 1 >= self.max_nodes * 2:
+                break
+            seeds = states[-1][:, [new_seed_rows[j] for j in range(len(frontier))]]
+        return tree
+
+    def choose(self, tree: Tree, room: int, calib: float, draft_steps: int) -> list[int]:
+        """Tree rows to verify: the root plus the most probable nodes, as many as maximise the expected
+        tokens per second (the top-n set by path probability is closed under ancestors)."""
+        order = sorted(range(1, len(tree.tokens)), key=lambda r: -tree.scores[r])[: min(self.max_nodes, room)]
+        if self.costs is None:
+            return [0, *sorted(order)]
+        c = self.costs
+        draft_s = draft_steps * c.draft[min(self.width, len(c.draft)) - 1]  # spent already; it scales every rate
+        best_n, best_rate, gain = 0, 1.0 / (draft_s + c.verify[0]), 0.0
+        for n, r in enumerate(order, start=1):
+            gain += min(1.0, calib * tree.scores[r])
+            if n >= len(c.verify):
+                break
+            rate = (1.0 + gain) / (draft_s + c.verify[n])
+            if rate > best_rate:
+                best_n, best_rate = n, rate
+        return [0, *sorted(order[:best_n])]
+
+    # ---- the loop -------------------------------------------------------------------------------
+    #: the server's scheduler starts every sequence's running acceptance here (unused by trees)
+    prior_accept = 1.0
+
+    def make_drafter(self, cache: KVCache) -> TreeState:
+        """Per-sequence drafting state; ``h_last`` is set from the prefill (or a batched step)."""
+        return TreeState()
+
+    @torch.inference_mode()
+    def generate(
+        self, prompt: list[int], gen: GenerationConfig, stream: StreamCallback | None = None
+    ) -> GenerationResult:
+        model = self.model
+        hidden: list[Tensor] = []
+        t0, stopper, cache, logits = begin(model, prompt, gen, self.eos_ids, self.decode, hidden)  # type: ignore[arg-type]
+        sampler = Sampler(gen, model.device)
+        self.last_cache = cache
+        state = self.make_drafter(cache)
+        state.h_last = hidden[0]
+        tok = sampler(logits[0, -1])
+        emitted = [tok]
+        while True:
+            kept = stopper.push(emitted)
+            if kept and stream is not None:
+                stream(emitted[:kept])
+            if stopper.done:
+                break
+            emitted, *_ = self.round(state, cache, tok, stopper, 1.0, gen, sampler)
+            tok = emitted[-1]
+        ntok = max(len(stopper.tokens), 1)
+        passes = state.passes
+        n_layers = model.cfg.num_layers
+        return GenerationResult(
+            tokens=stopper.tokens,
+            seconds=time.perf_counter() - t0,
+            stop_reason=str(stopper.reason),
+            prompt_tokens=len(prompt),
+            stats={
+                "verify_passes": passes,
+                "mean_accepted": (state.accepted + passes) / passes if passes else 0.0,
+                "acceptance_rate": state.accepted / state.drafted if state.drafted else 0.0,
+                "verify_rows_per_pass": state.rows / passes if passes else 0.0,
+                "verify_passes_per_token": passes / ntok,
+                "draft_layers_per_token": state.draft_steps * self.fast.cfg.depth / ntok,
+                "layers_per_token": (passes * n_layers + state.draft_steps * self.fast.cfg.depth) / ntok,
+                **(
+                    {
+                        "draft_cost": self.costs.draft[0] / self.costs.verify[0],
+                        "verify_cost": [v / self.costs.verify[0] for v in self.costs.verify],
+                    }
+                    if self.costs is not None
+                    else {}
+                ),
+            },
+        )
+
+    def round(
+        self,
+        state: TreeState,
+        cache: KVCache,
+        tok: int,
+        stopper: Stopper,
+        accept_rate: float,
+        gen: GenerationConfig,
+        sampler: Sampler,
+    ) -> tuple[list[int], int, int, float]:
+        """One draft-and-verify round after ``tok`` (the newest token, not yet in ``cache``), whose
+        previous position's final slow state is ``state.h_last``.
+
+        Returns the emitted tokens (accepted drafts, then the slow model's next token, again not in
+        the cache), drafts accepted and verified, and ``accept_rate`` unchanged (trees calibrate in
+        ``state``). The same signature as :meth:`SelfSpeculative.round`: the server interleaves rounds
+        of either with batched steps.
+        """
+        model = self.model
+        self._rng = sampler.rng
+        verified = cache.length
+        room = min(stopper.budget - len(stopper.tokens) - 1, cache.max_len - verified - 1, self.max_nodes)
+        rows = [0]
+        tree = Tree([tok], [-1], [0], [1.0], [None])
+        if room > 0 and self._worth_drafting():
+            tree = self.draft(state.h_last, tok, cache, room, gen)
+            steps = max(tree.depths)
+            state.draft_steps += steps
+            rows = self.choose(tree, room, state.calib, steps) if gen.greedy else self._chain(tree, room)
+        n_rows = len(rows)
+        ids = torch.tensor([[tree.tokens[r] for r in rows]], device=model.device)
+        if n_rows == 1 or _is_chain(tree, rows):
+            h = model.run_layers(model.embed_tokens(ids), cache, verified)
+        else:
+            positions = torch.tensor([verified + tree.depths[r] for r in rows], device=model.device)
+            vis = tree.ancestors(rows)
+            mask = torch.cat([torch.ones(n_rows, verified, dtype=torch.bool), vis], dim=1).to(model.device)
+            h = model.run_layers(model.embed_tokens(ids), cache, verified, positions=positions, mask=mask)
+        out = head_argmax(model, h)[0] if gen.greedy else model.head(h)[0]
+        path, nxt = self._accept(tree, rows, out, gen, sampler)
+        n = len(path) - 1
+        predicted = sum(tree.scores[r] for r in rows[1:])
+        if predicted > 0:  # calibrate path probabilities against what was accepted
+            state.calib = 0.9 * state.calib + 0.1 * min(4.0, (n + 0.1) / (predicted + 0.1))
+        state.passes += 1
+        state.rows += n_rows
+        state.drafted += n_rows - 1
+        state.accepted += n
+        cache.keep([verified + rows.index(r) for r in path], verified)
+        state.h_last = h[:, rows.index(path[-1])][:, None]
+        return [*[tree.tokens[r] for r in path[1:]], nxt], n, n_rows - 1, accept_rate
+
+    def _worth_drafting(self) -> bool:
+        """Drafting pays only if one draft step plus a 2-row pass beats a plain step at best-case odds."""
+        c = self.costs
+        return c is None or len(c.verify) < 2 or 2.0 / (c.draft[0] + c.verify[1]) > 1.0 / c.verify[0]
+
+    def _chain(self, tree: Tree, room: int) -> list[int]:
+        rows, r = [0], 0
+        while len(rows) <= room:
+            kids = [i for i, p in enumerate(tree.parents) if p == r]
+            if not kids:
+                break
+            r = kids[0]
+            rows.append(r)
+        return rows
+
+    @staticmethod
+    def _accept(
+        tree: Tree, rows: list[int], out: Tensor, gen: GenerationConfig, sampler: Sampler
+    ) -> tuple[list[int], int]:
+        """Accepted path (tree nodes from the root) and the slow model's token after it.
+
+        ``out``: per verify row, the greedy token (greedy) or the logits (sampling).
+        """
+        index = {r: i for i, r in enumerate(rows)}
+        children: dict[int, list[int]] = {}
+        for r in rows[1:]:
+            children.setdefault(tree.parents[r], []).append(r)
+        path = [0]
+        if gen.greedy:  # ``out`` holds each row's argmax token
+            target = out.tolist()
+            while True:
+                want = target[index[path[-1]]]
+                nxt = next((c for c in children.get(path[-1], []) if tree.tokens[c] == want), None)
+                if nxt is None:
+                    return path, int(want)
+                path.append(nxt)
+        p = warp_probs(out, gen)
+        rng = sampler.rng
+        while True:  # a chain: speculative sampling, accept with min(1, p/q), else resample the residual
+            i = index[path[-1]]
+            kids = children.get(path[-1], [])
+            if not kids:
+                return path, int(torch.multinomial(p[i], 1, generator=rng))
+            c = kids[0]
+            q, d = tree.probs[c], tree.tokens[c]
+            if float(torch.rand((), generator=rng)) * float(q[d]) < float(p[i, d]):
+                path.append(c)
+                continue
+            residual = (p[i] - q).clamp_min(0)
+            total = float(residual.sum())
+            return path, int(torch.multinomial(residual / total if total > 0 else p[i], 1, generator=rng))
+
+
+def _is_chain(tree: Tree, rows: list[int]) -> bool:
+    return all(tree.parents[r] == rows[i] for i, r in enumerate(rows[1:]))
+
+
+def measure_tree_costs(model: Transformer, fast: SeededFastStream, k_max: int, repeats: int = 5) -> TreeCosts:
+    """Time fast steps over 1..4 rows and slow passes over 1..k_max+1 rows at a 128-token context.
+
+    Interleaved rounds, minimum kept (so a burst of other load cannot make one look cheap).
+    """
+    ctx = 128
+    cache = model.new_cache(ctx + k_max + 2)
+    dev = model.device
+    ids = torch.arange(ctx, device=dev)[None] % model.cfg.vocab_size
+    d = model.cfg.hidden_size
+    calls = []
+    for r in range(1, 5):
+        h = torch.zeros(1, r, d, dtype=model.dtype, device=dev)
+        toks = torch.ones(1, r, dtype=torch.long, device=dev)
+        pos = torch.full((r,), ctx, device=dev)
+        vis = torch.eye(r, dtype=torch.bool, device=dev)
+
+        def one(h=h, toks=toks, pos=pos, vis=vis) -> None:
+            states, _ = fast.step(h, toks, pos, cache, ctx, None, vis)
+            fast.draft_top(states[-1][0], 2)
+
+        calls.append(one)
+    for k in range(1, k_max + 2):
+        block = torch.ones(1, k, dtype=torch.long, device=dev)
+        calls.append(lambda block=block: model.head(model.run_layers(model.embed_tokens(block), cache, ctx)))
+    best = [math.inf] * len(calls)
+    with torch.inference_mode():
+        model(ids, cache, 0, last_only=True)
+        for f in calls:
+            f()
+        for _ in range(repeats):
+            for i, f in enumerate(calls):
+                t = time.perf_counter()
+                f()
+                best[i] = min(best[i], time.perf_counter() - t)
+    return TreeCosts(draft=best[:4], verify=best[4:])
+
+
+def _tree_costs(raw: dict[str, object]) -> TreeCosts:
+    costs = TreeCosts([float(x) for x in raw["draft"]], [float(x) for x in raw["verify"]])  # type: ignore[union-attr]
+    if not (costs.draft and costs.verify and min(costs.draft + costs.verify) > 0):
+        raise ValueError("non-positive cost")
+    return costs
+
+
+def build_tree_speculative(
+    name: str,
+    engine: Loaded,
+    fast: SeededFastStream,
+    adaptive: bool = True,
+    cost_cache: bool = True,
+    max_nodes: int = 8,
+    max_depth: int = 5,
+    width: int = 2,
+    branch: int = 2,
+) -> TreeSpeculative:
+    """A :class:`TreeSpeculative` with folded fast layers and measured costs (``adaptive``; kept per
+    machine and drafter shape in ``$M2R2_CACHE/costs`` for a day when ``cost_cache``)."""
+    model = engine.model
+    fast.to(model.device).freeze(merge=True)
+    costs = None
+    if adaptive:
+
+        def measure() -> TreeCosts:
+            return measure_tree_costs(model, fast, max_nodes)
+
+        path = cost_cache_path(engine, fast, max_nodes).with_name(
+            f"tree-{cost_cache_path(engine, fast, max_nodes).name}"
+        )
+        costs = cached_costs(path, measure, _tree_costs) if cost_cache else measure()
+    tok = engine.tokenizer
+    return TreeSpeculative(name, model, fast, tok.eos_ids, tok.decode, max_nodes, max_depth, width, branch, costs)

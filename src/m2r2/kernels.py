@@ -1,0 +1,308 @@
+"""Weight kernels: the frozen linear layers decoding runs on, and the choice among them.
+
+As gpt-fast keeps its ``quantize.py`` next to ``model.py``: the transformer is written against
+``nn.Linear``; :func:`use_kernels` swaps its layers, once loaded, for a oneDNN pre-packed bf16
+layer, a weight-only int8 one, or the 4-bit one that runs the bundled GGUF's own Q4_1 weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from m2r2.model import ROW_INVARIANT_MAX_ROWS, MoE
+
+if TYPE_CHECKING:
+    from m2r2.model import Transformer
+
+
+def row_by_row(f: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
+    """``f(x)`` with each row of a ``[..., T, d]`` pass of 2..:data:`ROW_INVARIANT_MAX_ROWS` rows run alone."""
+    rows = x.shape[-2] if x.dim() > 1 else 1
+    if 1 < rows <= ROW_INVARIANT_MAX_ROWS:
+        return torch.cat([f(x[..., i : i + 1, :]) for i in range(rows)], dim=-2)
+    return f(x)
+
+
+class RowInvariantLinear(nn.Linear):
+    """A plain low-precision linear layer that gives each row of a short pass the bits it gets alone.
+
+    On a CPU without native bf16 instructions, oneDNN's bf16 GEMM was measured to change its
+    algorithm with the number of rows (a 21-row lookahead pass gave some rows other bits than
+    decoding), which would break lossless verification with ``--kernel plain`` in bf16. Passes of
+    up to :data:`ROW_INVARIANT_MAX_ROWS` rows therefore run one row at a time, as decoding does;
+    longer ones (prefill) run whole. Parameters and state-dict names are those of ``nn.Linear``.
+    """
+
+    def forward(self, x: Tensor) -> Tensor:
+        return row_by_row(lambda r: F.linear(r, self.weight, self.bias), x)
+
+
+class PackedLinear(nn.Module):
+    """A frozen linear layer whose bf16 weight is pre-packed for oneDNN (AMX / AVX-512 on x86 CPUs).
+
+    Measured on an AMX CPU (3072x576, bf16): 0.135 ms at 1 row vs 0.22 ms for ``F.linear``, and
+    nearly flat up to 16 rows. On a CPU without native bf16 instructions its results for a row were
+    measured to change with the number of rows (from ~20 rows), so short passes run row by row
+    (:func:`row_by_row`): a verify pass then sees exactly a one-token step's numbers.
+    """
+
+    def __init__(self, lin: nn.Linear) -> None:
+        super().__init__()
+        # Only the packed copy is kept: holding the unpacked weight too would double the memory.
+        self.in_features, self.out_features = lin.in_features, lin.out_features
+        self.bias = lin.bias
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), batch_size=1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return row_by_row(self._rows, x)
+
+    def _rows(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), self.packed, self.bias, "none", [], "")
+        return y.view(*shape[:-1], y.shape[-1])
+
+
+class Int8Linear(nn.Module):
+    """Weight-only int8 linear layer (symmetric, one scale per output channel), bf16 activations.
+
+    Halves the bytes a memory-bound decoding step reads compared with bf16, at a small accuracy
+    cost (it is a different model numerically: outputs are compared against bf16 in BENCHMARKS.md).
+    Its cost grows faster with the number of rows than oneDNN's bf16 kernel, so it suits plain
+    decoding more than multi-token verification.
+    """
+
+    def __init__(self, lin: nn.Linear) -> None:
+        super().__init__()
+        w = lin.weight.detach().float()
+        scale = w.abs().amax(dim=1).clamp_min(1e-8) / 127.0
+        self.in_features, self.out_features = lin.in_features, lin.out_features
+        self.bias = lin.bias
+        self.qweight = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+        self.scales = scale.to(lin.weight.dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]), self.qweight, self.scales)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*shape[:-1], y.shape[-1])
+
+
+class Int4Linear(nn.Module):
+    """Weight-only 4-bit linear layer: asymmetric groups of 32 input weights, bf16 activations.
+
+    Why it exists: the bundled model *is* 4-bit. Its GGUF stores every layer weight as Q4_1
+    (blocks of 32 along the input dimension, ``w = d * q + m`` with ``q`` in 0..15), and a block's
+    minimum and maximum always map to ``q = 0`` and ``q = 15``, so the min/max quantisation below
+    recovers the file's own ``q``, ``d`` and ``m`` exactly from the de-quantized float32 weights
+    (tested; :func:`m2r2.loading.load_model` passes those as ``source``, since bf16-rounded weights
+    would not round-trip).
+    The only rounding left is ``d`` and ``m + 8d`` to bf16, the same order as rounding each weight
+    to bf16 in the ``mkldnn`` kernel. It reads a quarter of bf16's bytes per step, and each row's
+    result does not depend on how many rows are batched (tested), so verification stays lossless.
+    Multi-row passes cost more than with oneDNN bf16 (about 3.5x at 8 rows), which the speculative
+    methods' measured cost model accounts for. Any other weights get plain 4-bit min/max
+    quantisation (lossy).
+    """
+
+    GROUP = 32
+
+    def __init__(self, lin: nn.Linear, source: Tensor | None = None) -> None:
+        super().__init__()
+        w = (lin.weight if source is None else source).detach().float()
+        n, k = w.shape
+        g = self.GROUP
+        blocks = w.view(n, k // g, g)
+        lo = blocks.amin(-1)
+        step = (blocks.amax(-1) - lo) / 15.0
+        q = ((blocks - lo[..., None]) / step.clamp_min(1e-30)[..., None]).round().clamp(0, 15)
+        self.in_features, self.out_features = lin.in_features, lin.out_features
+        self.bias = lin.bias
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(n, k).to(torch.int32), 2)
+        # the kernel computes (q - 8) * scale + zero
+        self.scales_zeros = torch.stack([step.t(), (lo + 8.0 * step).t()], dim=-1).contiguous().to(torch.bfloat16)
+
+    @classmethod
+    def fits(cls, lin: nn.Module) -> bool:
+        return isinstance(lin, nn.Linear) and lin.in_features % cls.GROUP == 0 and lin.out_features % 8 == 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.reshape(-1, shape[-1]), self.packed, self.GROUP, self.scales_zeros
+        )
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*shape[:-1], y.shape[-1])
+
+
+def _activation_dtype(lin: nn.Module) -> torch.dtype:
+    """The input dtype a linear layer of any of our kernels takes."""
+    if isinstance(lin, nn.Linear):
+        return lin.weight.dtype
+    if isinstance(lin, Int8Linear):
+        return lin.scales.dtype
+    return torch.bfloat16  # the packed bf16 / 4-bit kernels
+
+
+def dense_weight(lin: nn.Module) -> Tensor:
+    """The float32 weight ``[out, in]`` that a linear layer of any of our kernels applies.
+
+    Packed kernels keep no unpacked copy, so the weight is read back by running the layer on the
+    identity matrix: exact for the bf16 kernels, and the de-quantized weight (rounded to bf16) for
+    the int8/q4 ones. Used to fold the accelerator adapters into private copies of the fast
+    stream's layers (:meth:`m2r2.multirate.fast.FastStream.freeze`).
+    """
+    if isinstance(lin, nn.Linear):
+        return lin.weight.detach().float()
+    # packed kernels hold their weights as plain tensor attributes
+    device = next((v.device for v in vars(lin).values() if isinstance(v, Tensor)), torch.device("cpu"))
+    y = lin(torch.eye(lin.in_features, dtype=_activation_dtype(lin), device=device)).float()
+    bias = getattr(lin, "bias", None)
+    if bias is not None:
+        y = y - bias.float()
+    return y.t().contiguous()
+
+
+def linear_like(lin: nn.Module, weight: Tensor) -> nn.Module:
+    """A frozen linear layer applying ``weight`` (float ``[out, in]``) with the same kernel as ``lin``."""
+    bias = getattr(lin, "bias", None)
+    plain = nn.Linear(
+        weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device, dtype=_activation_dtype(lin)
+    )
+    with torch.no_grad():
+        plain.weight.copy_(weight)
+        if bias is not None:
+            plain.bias.copy_(bias)
+    plain.requires_grad_(False)
+    if isinstance(lin, Int4Linear):
+        return Int4Linear(plain, weight.float())
+    if isinstance(lin, PackedLinear):
+        return PackedLinear(plain)
+    if isinstance(lin, Int8Linear):
+        return Int8Linear(plain)
+    return plain
+
+
+KERNELS = ("auto", "plain", "mkldnn", "int8", "q4")
+
+
+def mkldnn_usable(model: Transformer) -> bool:
+    return (
+        model.device.type == "cpu"
+        and model.dtype == torch.bfloat16
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
+
+
+def q4_usable(model: Transformer) -> bool:
+    """Whether the 4-bit kernel can run every dense layer of ``model`` (bf16 on a CPU)."""
+    return (
+        model.device.type == "cpu"
+        and model.dtype == torch.bfloat16
+        and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+        and not model.cfg.is_moe
+        and all(Int4Linear.fits(lin) for b in model.layers for lin in (b.attn.wqkv, b.attn.wo, b.mlp.w13, b.mlp.w2))
+    )
+
+
+def use_kernels(model: Transformer, kernel: str = "auto", source: Mapping[str, Tensor] | None = None) -> str:
+    """Swap the model's linear layers for faster frozen kernels; returns the kernel used.
+
+    ``source`` optionally maps our state-dict names to the float32 weights the model was cast from;
+    the q4 kernel quantises those (see :class:`Int4Linear`), the others ignore it.
+
+    ``plain`` keeps ``nn.Linear`` (needed for training, and the reference mode). ``auto`` picks
+    ``q4`` for bf16 on CPU when every layer fits it, else ``mkldnn``, else ``plain``: measured on the
+    bundled Q4_1 model (BENCHMARKS.md), q4 decodes ~1.7x faster than oneDNN bf16 with the same
+    agreement with the fp32 reference, because it runs the GGUF's own 4-bit weights.
+    """
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown kernel {kernel!r}; choose from {', '.join(KERNELS)}")
+    if kernel == "auto":
+        kernel = "q4" if q4_usable(model) else "mkldnn" if mkldnn_usable(model) else "plain"
+    if kernel == "mkldnn" and not mkldnn_usable(model):
+        raise ValueError("the mkldnn kernel needs bf16 weights on a CPU with oneDNN")
+    if kernel in ("int8", "q4") and (model.dtype != torch.bfloat16 or model.device.type != "cpu"):
+        raise ValueError(f"the {kernel} kernel needs bf16 activations on a CPU")
+    if kernel == "plain" and model.dtype != torch.float32 and model.device.type == "cpu":
+        for lin in [model.lm_head, *(m for b in model.layers for m in b.modules() if type(m) is nn.Linear)]:
+            lin.__class__ = RowInvariantLinear  # same parameters; only the forward changes
+    wrap = {"mkldnn": PackedLinear, "int8": Int8Linear, "q4": Int4Linear}.get(kernel)
+    head_wrap = wrap
+    if kernel == "q4":
+        # The bundled head/embedding is Q8_0 (8-bit): 4 bits would lose accuracy there, so the head
+        # keeps oneDNN bf16 where available.
+        head_wrap = PackedLinear if mkldnn_usable(model) else None
+        if not q4_usable(model):
+            raise ValueError(
+                f"the q4 kernel needs a dense (non-MoE) model with layer widths divisible by {Int4Linear.GROUP}"
+            )
+    if wrap is not None:
+        src = source or {}
+
+        def swap(lin: nn.Module, name: str) -> nn.Module:
+            return Int4Linear(lin, src.get(name + ".weight")) if wrap is Int4Linear else wrap(lin)
+
+        for i, block in enumerate(model.layers):
+            block.attn.wqkv = swap(block.attn.wqkv, f"layers.{i}.attn.wqkv")
+            block.attn.wo = swap(block.attn.wo, f"layers.{i}.attn.wo")
+            # MoE experts stay plain stacked tensors (an offloading runtime swaps them per expert);
+            # a shared expert is an ordinary MLP.
+            mlp = block.mlp.shared if isinstance(block.mlp, MoE) else block.mlp
+            if mlp is not None:
+                mlp.w13 = swap(mlp.w13, f"layers.{i}.mlp.w13")
+                mlp.w2 = swap(mlp.w2, f"layers.{i}.mlp.w2")
+    if head_wrap is not None:
+        model.lm_head = head_wrap(model.lm_head)
+    return kernel
+
+
+def _mantissa_bits(dtype: torch.dtype) -> int:
+    return {torch.bfloat16: 7, torch.float16: 10}.get(dtype, 23)
+
+
+def _row_norm_max(lin: nn.Module) -> float:
+    """Largest L2 norm of a weight row of ``lin`` (cached on the module; weights are frozen)."""
+    cached = getattr(lin, "_row_norm_max", None)
+    if cached is None:
+        cached = float(dense_weight(lin).norm(dim=-1).max())
+        object.__setattr__(lin, "_row_norm_max", cached)
+    return cached
+
+
+def head_argmax(model: Transformer, h: Tensor) -> Tensor:
+    """``model.head(row).argmax(-1)`` for every row of ``h`` (``[..., d]``: a verify pass's rows, or one
+    row per sequence of a batched step) as if each ran alone, at about one head's cost.
+
+    Why: lossless greedy decoding must pick, for each row, the token a one-row step would pick; the
+    oneDNN bf16 head gives a row other bits in a multi-row pass on some CPUs, so exactness alone
+    would cost one head per row (a 49k-word head is ~a sixth of a SmolLM2 step). Here the head runs
+    once over all rows and a row's argmax is kept when its margin over the runner-up exceeds what a
+    different summation order could change: both computations add the same exact float32 products
+    ``w_k x_k`` in some order (each within ``K u sum|w_k x_k|`` of the exact sum, bounded by
+    ``||W_j|| ||x||``) and round to the output dtype (half a unit in the last place each). Rows inside
+    that band (rare) are recomputed alone.
+    """
+    x = model.norm(h)
+    lin = model.lm_head
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.shape[0] <= 1 or not isinstance(lin, PackedLinear | RowInvariantLinear):
+        return model.lm_head(x).float().argmax(-1)
+    batched = (lin._rows(flat) if isinstance(lin, PackedLinear) else F.linear(flat, lin.weight, lin.bias)).float()
+    top = batched.topk(2, dim=-1)
+    k = flat.shape[-1]
+    fp32_err = 2 * k * 2.0**-24 / (1 - k * 2.0**-24) * flat.float().norm(dim=-1) * _row_norm_max(lin)
+    mag = top.values.abs().amax(-1).clamp_min(1e-30)
+    ulp = 2.0 ** (torch.floor(torch.log2(mag)) - _mantissa_bits(flat.dtype))
+    sure = (top.values[:, 0] - top.values[:, 1]) > 2 * (fp32_err + ulp)
+    ids = top.indices[:, 0].clone()
+    for i in (~sure).nonzero()[:, 0].tolist():
+        ids[i] = model.lm_head(flat[i : i + 1]).float().argmax(-1)[0]
+    return ids.view(x.shape[:-1])

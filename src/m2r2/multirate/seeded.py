@@ -1,0 +1,264 @@
+"""The seeded fast stream: a few deep base layers with accelerator adapters, started from the slow
+stream's final state.
+
+Why (measured, docs/TRAINING.md): the prefix fast stream (base layers 1..10 + adapters) must rebuild
+from the embedding everything the slow stream computes in 30 layers; after an hour of CPU training
+it agreed with the full model on 0.29 of tokens at 0.41 of a step's cost. The verify pass has
+already computed the slow stream's *final* residual ``h_N(t)`` of the last verified position; the
+next token's state differs from it mostly by what the next token adds. So the fast stream is seeded
+with ``f_0 = Fuse([h_N(t), E(x_{t+1})])`` and then runs base layers ``N-K..N-1`` (default: the last
+one) with their accelerator adapters, its target being ``h_N(t+1)``: the fast residual covers the
+whole depth in K layers (rate ``N/K``).
+
+The M2R2 parts stay: the slow stream is frozen; each fast layer is a base layer plus low-rank
+accelerator adapters (folded at inference); it keeps no KV cache of its own but attends the slow
+cache of *its own base layer* (deep sharing: the verified context the full model built) for
+verified positions, and fast K/V only inside the current draft (a chain or a tree); ARLA reads the
+fast stream's velocity. Draft ``i+1`` is seeded from the fast state of draft ``i``, as at training
+(:func:`chained_attention` trains on exactly these draft chains).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from m2r2.cache import KVCache
+from m2r2.errors import SettingsError
+from m2r2.kernels import dense_weight, linear_like
+from m2r2.model import Block, Transformer
+from m2r2.multirate.adapters import LayerAdapters
+from m2r2.multirate.arla import ARLA
+from m2r2.multirate.fast import merged_block
+
+KIND = "seeded"
+
+
+@dataclass
+class SeededConfig:
+    """Shape of a seeded fast stream: the base layers it runs (the last ``depth`` by default) and rank."""
+
+    num_base_layers: int
+    layers: list[int]
+    rank: int = 32
+    arla_dim: int = 64
+    kind: str = KIND
+
+    @classmethod
+    def build(cls, num_layers: int, depth: int = 1, rank: int = 32, arla_dim: int = 64) -> SeededConfig:
+        if not 1 <= depth <= num_layers:
+            raise SettingsError(f"seeded fast stream depth must be in 1..{num_layers}, got {depth}")
+        if rank < 1:
+            raise SettingsError(f"adapter rank must be >= 1, got {rank}")
+        return cls(num_layers, list(range(num_layers - depth, num_layers)), rank, arla_dim)
+
+    @property
+    def depth(self) -> int:
+        return len(self.layers)
+
+    @property
+    def rate(self) -> int:
+        return math.ceil(self.num_base_layers / self.depth)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SeededConfig:
+        try:
+            return cls(int(d["num_base_layers"]), [int(i) for i in d["layers"]], int(d["rank"]), int(d["arla_dim"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise SettingsError(f"bad seeded fast-stream config {d}: {e}") from e
+
+
+def chained_attention(q: Tensor, slow: tuple[Tensor, Tensor], fast: list[tuple[Tensor, Tensor]]) -> Tensor:
+    """Training attention of draft step ``s = len(fast)`` over whole sequences, for every position at once.
+
+    Query at position p stands for the s-th draft of a block whose last verified position is
+    ``p - s``: it sees slow keys ``0..p-s`` and the fast keys that drafts 1..s of that block wrote,
+    i.e. step j's fast key at position ``p - s + j`` (a diagonal of step j's keys). ``q``:
+    ``[B, H, T, D]``; ``slow``/``fast[j]``: K and V ``[B, KVH, T, D]``. Rows with no slow key left
+    (p < s) still see their own fast key; they are masked out of the loss by the caller.
+    """
+    h, t, d = q.shape[1:]
+    g = h // slow[0].shape[1]
+    s = len(fast)
+    scale = 1.0 / math.sqrt(d)
+    ks, vs = slow[0].repeat_interleave(g, 1), slow[1].repeat_interleave(g, 1)
+    scores = (q @ ks.transpose(-1, -2)) * scale  # [B, H, T, T]
+    pos = torch.arange(t, device=q.device)
+    scores = scores.masked_fill(~(pos[None, :] <= pos[:, None] - s), float("-inf"))
+    extra_s, extra_v = [], []
+    for j, (k, v) in enumerate(fast, start=1):
+        shift = s - j  # step j's key for this block sits ``shift`` positions before the query
+        k = F.pad(k, (0, 0, shift, 0))[:, :, :t].repeat_interleave(g, 1)
+        v = F.pad(v, (0, 0, shift, 0))[:, :, :t].repeat_interleave(g, 1)
+        e = (q * k).sum(-1, keepdim=True) * scale
+        extra_s.append(e.masked_fill((pos < shift)[None, None, :, None], float("-inf")))
+        extra_v.append(v)
+    p = torch.softmax(torch.cat([scores, *extra_s], dim=-1), dim=-1)
+    out = p[..., :t] @ vs
+    for j, v in enumerate(extra_v):
+        out = out + p[..., t + j : t + j + 1] * v
+    return out
+
+
+class SeededFastStream(nn.Module):
+    """Fuse + adapters + ARLA for a frozen base model held by reference (not a registered submodule)."""
+
+    def __init__(self, base: Transformer, cfg: SeededConfig) -> None:
+        super().__init__()
+        if cfg.num_base_layers != base.cfg.num_layers:
+            raise SettingsError(
+                f"fast stream built for {cfg.num_base_layers} base layers, the model has {base.cfg.num_layers}"
+            )
+        self.cfg = cfg
+        object.__setattr__(self, "base", base)
+        d = base.cfg.hidden_size
+        self.fuse = nn.Linear(2 * d, d, bias=False)
+        with torch.no_grad():  # start as h_N(t) + E(x_{t+1}): a residual the deep layer can read
+            self.fuse.weight.copy_(torch.cat([torch.eye(d), torch.eye(d)], dim=1))
+        self.adapters = nn.ModuleList(LayerAdapters(base.cfg, cfg.rank, layer) for layer in cfg.layers)
+        self.arla = ARLA(d, cfg.depth, cfg.arla_dim)
+        self.merged: list[Block] | None = None
+        self.draft_vocab: Tensor | None = None
+        self.sub_head: nn.Module | None = None
+        self.fuse_infer: nn.Module | None = None
+
+    base: Transformer
+
+    # ---- shared by training and inference -------------------------------------------------------
+    def seed(self, h_prev: Tensor, tokens: Tensor) -> Tensor:
+        """``f_0``: the previous position's final state (slow, or the previous draft's) fused with the token."""
+        x = torch.cat([h_prev, self.base.embed_tokens(tokens).to(h_prev.dtype)], dim=-1)
+        if self.fuse_infer is not None:
+            return self.fuse_infer(x.to(self.base.dtype))
+        w = self.fuse.weight  # float32 parameters (training, or the unfolded inference form)
+        return F.linear(x.to(w.dtype), w).to(self.base.dtype)
+
+    def layer(self, j: int) -> tuple[Block, Any]:
+        if self.merged is not None:
+            return self.merged[j], None
+        return self.base.layers[self.cfg.layers[j]], self.adapters[j].lora()
+
+    def head_weight(self) -> Tensor:
+        """Rows of the LM head the draft scores (the draft vocabulary, else all), float32."""
+        w = self.base.lm_head.weight if isinstance(self.base.lm_head, nn.Linear) else dense_weight(self.base.lm_head)
+        return w if self.draft_vocab is None else w[self.draft_vocab.to(w.device)]
+
+    # ---- training -------------------------------------------------------------------------------
+    def forward_chain(self, tokens: Tensor, hidden: Tensor, k: Tensor, v: Tensor, steps: int) -> list[list[Tensor]]:
+        """States ``[f_0 .. f_K]`` of draft steps 1..``steps`` at every position of whole sequences.
+
+        ``tokens`` ``[B, T]``; ``hidden``: the slow ``h_N`` ``[B, T, d]``; ``k``/``v``: slow K/V of the
+        fast layers' base layers ``[K, B, KVH, T, D]``. Step 1 at position p is seeded by ``h_N(p-1)``,
+        step s by step s-1's final fast state at ``p-1``; its target is ``h_N(p)``.
+        """
+        base = self.base
+        t = tokens.shape[1]
+        cos, sin = base.rope(0, t, hidden.dtype)
+        prev = F.pad(hidden, (0, 0, 1, 0))[:, :t]  # h_N(p-1); zeros at p = 0 (masked out of the loss)
+        fast_kv: list[list[tuple[Tensor, Tensor]]] = [[] for _ in self.cfg.layers]
+        out = []
+        for _ in range(steps):
+            states = [self.seed(prev, tokens)]
+            for j in range(self.cfg.depth):
+                blk, lora = self.layer(j)
+                f = states[-1]
+                q, kk, vv = blk.attn.qkv(blk.attn_norm(f), cos, sin, lora)
+                fast_kv[j].append((kk, vv))
+                a = f + blk.attn.out(chained_attention(q, (k[j], v[j]), fast_kv[j]), lora)
+                states.append(a + blk.mlp(blk.mlp_norm(a), lora, resid=a))
+            out.append(states)
+            prev = F.pad(states[-1], (0, 0, 1, 0))[:, :t]
+        return out
+
+    # ---- inference ------------------------------------------------------------------------------
+    def freeze(self, merge: bool = True) -> SeededFastStream:
+        """Eval, no grad; ``merge`` folds the adapters into private copies of the fast layers and
+        builds the draft head over the draft vocabulary with the base head's kernel."""
+        self.eval().requires_grad_(False)
+        for a in self.adapters:
+            a.freeze(self.base.dtype)
+        self.merged, self.sub_head, self.fuse_infer = None, None, None
+        if merge:
+            self.merged = [
+                merged_block(self.base.layers[i], a) for i, a in zip(self.cfg.layers, self.adapters, strict=True)
+            ]
+            head = self.base.lm_head  # its kernel (bf16 under q4) also serves the fuse: 4 bits would blur it
+            self.fuse_infer = linear_like(head, self.fuse.weight.detach().float())
+            w = dense_weight(head)
+            rows = w if self.draft_vocab is None else w[self.draft_vocab.to(w.device)]
+            object.__setattr__(self, "sub_head", linear_like(head, rows))
+        return self
+
+    def train(self, mode: bool = True) -> SeededFastStream:
+        if mode:
+            self.merged, self.sub_head, self.fuse_infer = None, None, None
+        return super().train(mode)
+
+    def draft_logits(self, f: Tensor) -> Tensor:
+        """``W . Norm(f)`` over the draft vocabulary (float32; -inf elsewhere, so sampling stays exact)."""
+        if self.sub_head is None:
+            return F.linear(self.base.norm(f), self.head_weight().to(f.dtype)).float()
+        sub = self.sub_head(self.base.norm(f)).float()
+        if self.draft_vocab is None:
+            return sub
+        out = sub.new_full((*sub.shape[:-1], self.base.cfg.vocab_size), float("-inf"))
+        return out.index_copy_(-1, self.draft_vocab.to(sub.device), sub)
+
+    def draft_top(self, f: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """Greedy drafting's ``k`` most probable next tokens and their draft probabilities (``[..., k]``).
+
+        Softmax and top-k run over the draft vocabulary only (not a 49k row of -inf): same numbers.
+        """
+        if self.sub_head is None or self.draft_vocab is None:
+            top = torch.softmax(self.draft_logits(f), -1).topk(k, dim=-1)
+            return top.indices, top.values
+        top = torch.softmax(self.sub_head(self.base.norm(f)).float(), -1).topk(k, dim=-1)
+        return self.draft_vocab.to(f.device)[top.indices], top.values
+
+    def step(
+        self,
+        h_prev: Tensor,
+        tokens: Tensor,
+        positions: Tensor,
+        cache: KVCache,
+        verified_len: int,
+        fast_kv: list[tuple[Tensor, Tensor]] | None,
+        fast_mask: Tensor,
+    ) -> tuple[list[Tensor], list[tuple[Tensor, Tensor]]]:
+        """Draft ``n`` nodes at once (``tokens`` ``[1, n]`` at RoPE ``positions`` ``[n]``).
+
+        Each node attends the slow cache ``0..verified_len-1`` of the fast layer's base layer and the
+        fast keys of earlier draft nodes plus its own, as ``fast_mask`` (``[n, prev + n]``) allows
+        (a chain: all earlier; a tree: its ancestors). Returns the states and the fast K/V so far.
+        """
+        base = self.base
+        cos, sin = base.rope_cos[positions].to(base.dtype), base.rope_sin[positions].to(base.dtype)
+        n = tokens.shape[1]
+        mask = torch.cat([fast_mask.new_ones(n, verified_len), fast_mask], dim=1)
+        states = [self.seed(h_prev.to(base.dtype), tokens).to(base.dtype)]
+        new_kv = []
+        for j, layer in enumerate(self.cfg.layers):
+            blk, lora = self.layer(j)
+            f = states[-1]
+            q, k, v = blk.attn.qkv(blk.attn_norm(f), cos, sin, lora)
+            if fast_kv is not None:
+                k, v = torch.cat([fast_kv[j][0], k], dim=2), torch.cat([fast_kv[j][1], v], dim=2)
+            sk, sv = cache.view(layer, verified_len)
+            o = F.scaled_dot_product_attention(
+                q, torch.cat([sk, k], dim=2), torch.cat([sv, v], dim=2), attn_mask=mask, enable_gqa=True
+            )
+            a = f + blk.attn.out(o, lora)
+            states.append(a + blk.mlp(blk.mlp_norm(a), lora, resid=a))
+            new_kv.append((k, v))
+        return states, new_kv
+
+    def exit_probability(self, states: list[Tensor]) -> Tensor:
+        return torch.sigmoid(self.arla(states, self.cfg.depth))

@@ -1,0 +1,247 @@
+"""The seeded fast stream and token-tree self-speculation: lossless on many tiny random models,
+training and inference compute the same drafts, and the training store resumes and refuses bad data."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from tests.test_speculative import _exact_marginal, tiny_model
+
+from m2r2.decoding.autoregressive import Autoregressive
+from m2r2.decoding.base import GenerationConfig
+from m2r2.decoding.tree import TreeCosts, TreeSpeculative
+from m2r2.errors import InputError, SettingsError, WeightsError
+from m2r2.multirate.seeded import SeededConfig, SeededFastStream
+
+
+def seeded_stream(model, depth: int, noise: float, seed: int, fold: bool, vocab: list[int] | None = None):
+    """A seeded fast stream over the last ``depth`` layers; ``noise`` perturbs fuse and adapters."""
+    fast = SeededFastStream(model, SeededConfig.build(model.cfg.num_layers, depth=depth, rank=4))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in fast.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * noise)
+    if vocab is not None:
+        fast.draft_vocab = torch.tensor(sorted(vocab))
+    return fast.freeze(merge=fold)
+
+
+CASES = [
+    # seed, depth, noise, max_nodes, width, branch, dtype
+    (1, 1, 0.0, 1, 1, 1, torch.float32),
+    (2, 2, 0.05, 4, 1, 1, torch.float32),
+    (3, 1, 0.2, 8, 2, 2, torch.float32),
+    (4, 3, 0.0, 12, 3, 2, torch.float32),
+    (5, 1, 0.1, 6, 2, 3, torch.bfloat16),
+    (6, 2, 0.3, 3, 1, 2, torch.bfloat16),
+    (7, 1, 0.0, 16, 4, 4, torch.bfloat16),
+    (8, 2, 0.02, 5, 2, 1, torch.float32),
+]
+
+
+@pytest.mark.parametrize(("seed", "depth", "noise", "nodes", "width", "branch", "dtype"), CASES * 2)
+def test_greedy_tree_speculation_equals_plain_greedy(seed, depth, noise, nodes, width, branch, dtype):
+    rng = random.Random(seed)
+    model = tiny_model(seed, dtype=dtype)
+    fold = seed % 2 == 1
+    vocab = rng.sample(range(64), 40) if fold else None
+    fast = seeded_stream(model, depth, noise, seed, fold, vocab)
+    strat = TreeSpeculative("m2r2", model, fast, [], None, nodes, rng.randint(1, 6), width, branch)
+    passes = 0
+    for _ in range(3):
+        prompt = [rng.randrange(64) for _ in range(rng.randint(1, 30))]
+        gen = GenerationConfig(max_new_tokens=rng.randint(1, 60))
+        ref = Autoregressive(model, []).generate(prompt, gen)
+        out = strat.generate(prompt, gen)
+        assert out.tokens == ref.tokens
+        assert out.stop_reason == ref.stop_reason
+        passes += out.stats["verify_passes"]
+        # the cache after a tree round holds exactly the verified sequence (compacted accepted path)
+        full = torch.tensor([prompt + out.tokens[:-1]])
+        fresh = model.new_cache(strat.last_cache.max_len)
+        model(full, fresh, 0)
+        n = len(prompt) + len(out.tokens) - 1
+        assert strat.last_cache.length == n
+        assert torch.allclose(strat.last_cache.k[:, :, :, :n].float(), fresh.k[:, :, :, :n].float(), atol=2e-2)
+
+
+def test_eos_inside_an_accepted_path_stops_where_plain_greedy_stops():
+    model = tiny_model(11)
+    fast = seeded_stream(model, 1, 0.0, 11, fold=False)
+    prompt = [3, 4, 5]
+    ref_long = Autoregressive(model, []).generate(prompt, GenerationConfig(max_new_tokens=30)).tokens
+    eos = [ref_long[7]]
+    ref = Autoregressive(model, eos).generate(prompt, GenerationConfig(max_new_tokens=30))
+    out = TreeSpeculative("m2r2", model, fast, eos, None, 8, 5, 2, 2).generate(
+        prompt, GenerationConfig(max_new_tokens=30)
+    )
+    assert out.tokens == ref.tokens and out.stop_reason == ref.stop_reason
+
+
+def test_cost_model_declines_trees_that_do_not_pay_and_takes_them_when_verification_is_flat():
+    model = tiny_model(12)
+    fast = seeded_stream(model, 1, 0.0, 12, fold=False)
+    flat = TreeCosts(draft=[0.01] * 4, verify=[1.0] * 9)
+    steep = TreeCosts(draft=[0.5] * 4, verify=[1.0 + 2.0 * k for k in range(9)])
+    prompt, gen = [5, 6, 7], GenerationConfig(max_new_tokens=40)
+    ref = Autoregressive(model, []).generate(prompt, gen).tokens
+    cheap = TreeSpeculative("m2r2", model, fast, [], None, 8, 5, 2, 2, costs=flat).generate(prompt, gen)
+    dear = TreeSpeculative("m2r2", model, fast, [], None, 8, 5, 2, 2, costs=steep).generate(prompt, gen)
+    assert cheap.tokens == ref and dear.tokens == ref
+    assert cheap.stats["verify_rows_per_pass"] > 2.0
+    assert dear.stats["verify_rows_per_pass"] == 1.0
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.7, 4, 0.9)])
+def test_tree_speculative_sampling_reproduces_the_target_distribution(temperature, top_k, top_p):
+    vocab = 6
+    model = tiny_model(3, vocab=vocab, layers=3)
+    with torch.no_grad():
+        model.embed.weight.div_(32)
+    fast = seeded_stream(model, 1, 1.0, 3, fold=True, vocab=[0, 2, 3, 5])
+    strategy = TreeSpeculative("m2r2", model, fast, [], None, 3, 3, 2, 2)
+    prompt, n = [1, 2], 3000
+    outs = []
+    for seed in range(n):
+        gen = GenerationConfig(max_new_tokens=3, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        outs.append(strategy.generate(prompt, gen).tokens)
+    probe = GenerationConfig(max_new_tokens=3, temperature=temperature, top_k=top_k, top_p=top_p)
+    for step in (2, 3):
+        expected = _exact_marginal(model, prompt, probe, step)
+        counts = torch.zeros(vocab, dtype=torch.float64)
+        for toks in outs:
+            counts[toks[step - 1]] += 1
+        keep = expected * n >= 5
+        chi2 = float((((counts - expected * n) ** 2) / (expected * n))[keep].sum())
+        assert chi2 < 20.6, (step, chi2, counts / n, expected)
+
+
+def test_bad_tree_settings_are_refused():
+    model = tiny_model(1)
+    fast = seeded_stream(model, 1, 0.0, 1, fold=False)
+    for kw in ({"max_nodes": 0}, {"max_nodes": 40}, {"width": 0}, {"branch": 0}, {"max_depth": 0}):
+        args = {"max_nodes": 8, "max_depth": 5, "width": 2, "branch": 2, **kw}
+        with pytest.raises(SettingsError):
+            TreeSpeculative("m2r2", model, fast, [], None, **args)
+    with pytest.raises(SettingsError):
+        SeededConfig.build(4, depth=5)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_training_chains_compute_what_inference_drafts(depth):
+    """Step s of ``forward_chain`` at position p equals drafting s tokens after verified prefix p-s."""
+    model = tiny_model(21, layers=4)
+    fast = seeded_stream(model, depth, 0.1, 21, fold=False)
+    tokens = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(0))
+    cache = model.new_cache(12)
+    hidden = model.run_layers(model.embed_tokens(tokens), cache, 0)
+    layers = fast.cfg.layers
+    k, v = cache.k[layers], cache.v[layers]
+    chain = fast.forward_chain(tokens, hidden, k, v, steps=3)
+    for p in (3, 7, 11):
+        for s in (1, 2, 3):
+            verified = p - s + 1  # positions 0..p-s verified; drafts at p-s+1 .. p
+            cache.length = verified
+            seed = hidden[:, verified - 1 : verified]
+            kv = None
+            for i in range(s):
+                pos = torch.tensor([verified + i])
+                vis = torch.ones(1, i + 1, dtype=torch.bool)
+                states, kv = fast.step(seed, tokens[:, verified + i : verified + i + 1], pos, cache, verified, kv, vis)
+                seed = states[-1]
+            assert torch.allclose(states[-1][0, 0], chain[s - 1][-1][0, p], atol=1e-4)
+
+
+def test_adapter_file_round_trip_and_refusals(tmp_path):
+    from m2r2.multirate.io import load_adapters, save_adapters
+
+    model = tiny_model(5)
+    fast = seeded_stream(model, 2, 0.1, 5, fold=False, vocab=list(range(0, 64, 2)))
+    path = save_adapters(tmp_path / "a.safetensors", fast, "fp-1", torch.float32)
+    back = load_adapters(path, model, "fp-1")
+    assert isinstance(back, SeededFastStream) and back.cfg == fast.cfg
+    assert torch.equal(back.draft_vocab, fast.draft_vocab)
+    for name, t in fast.state_dict().items():
+        assert torch.equal(back.state_dict()[name], t)
+    with pytest.raises(WeightsError, match="another base model"):
+        load_adapters(path, model, "fp-2")
+    raw = bytearray(path.read_bytes())
+    raw[-5] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    with pytest.raises(WeightsError, match="corrupt"):
+        load_adapters(path, model, "fp-1")
+
+
+def _conversations(path, n: int) -> None:
+    rng = random.Random(0)
+    words = ["the", "a", "sea", "fox", "blue", "red", "one", "two", "three", "poem", "write", "short"]
+    with open(path, "w") as f:
+        for i in range(n):
+            msgs = [
+                {"role": "user", "content": " ".join(rng.choice(words) for _ in range(rng.randint(2, 9)))},
+                {"role": "assistant", "content": " ".join(rng.choice(words) for _ in range(rng.randint(2, 20)))},
+            ]
+            f.write(json.dumps({"id": f"s:{i}", "source": "lima" if i % 2 else "gsm8k", "messages": msgs}) + "\n")
+
+
+def test_store_resumes_after_a_kill_without_duplicates_and_refuses_bad_stores(tmp_path, tiny_model):
+    from m2r2.engine import Engine
+    from m2r2.training.store import StoreSettings, TrainStore, build_store, chat_encoder
+
+    data = tmp_path / "conv.jsonl"
+    _conversations(data, 23)
+    e = Engine(str(tiny_model(0)), dtype="fp32", quiet=True)
+    enc = chat_encoder(e.tokenizer)
+    s = StoreSettings(data=str(data), max_len=32, batch=3, shard_sequences=5, kv_layers=1)
+    one = build_store(e.model, e.fingerprint, enc, tmp_path / "whole", s)
+    # a "killed" build: stopped after 2 shards, then resumed
+    build_store(e.model, e.fingerprint, enc, tmp_path / "split", s, limit=10)
+    two = build_store(e.model, e.fingerprint, enc, tmp_path / "split", s)
+    assert one["conversations_done"] == two["conversations_done"] == 23
+    a, b = TrainStore(tmp_path / "whole", e.fingerprint), TrainStore(tmp_path / "split", e.fingerprint)
+    assert a.tokens == b.tokens and [x["sha256"] for x in a.shards] == [x["sha256"] for x in b.shards]
+    toks = [q["tokens"].tolist() for i in range(len(a.shards)) for q in a.sequences(a.load_shard(i))]
+    assert len(toks) == 23
+    with pytest.raises(WeightsError, match="another base model"):
+        TrainStore(tmp_path / "whole", "someone-else")
+    shard = tmp_path / "whole" / a.shards[1]["file"]
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(WeightsError, match="corrupt"):
+        a.load_shard(1)
+    with pytest.raises(SettingsError, match="other data or settings"):
+        build_store(
+            e.model, e.fingerprint, enc, tmp_path / "whole", StoreSettings(data=str(data), max_len=16, kv_layers=1)
+        )
+    with pytest.raises(InputError, match="not a training store"):
+        TrainStore(tmp_path / "nothing")
+
+
+@pytest.mark.parametrize("kernel", ["plain", "mkldnn"])
+def test_certified_head_argmax_equals_row_by_row_argmax(kernel):
+    """The one-pass head argmax of a verify pass equals each row's one-row argmax, near-ties included."""
+    from m2r2.kernels import head_argmax, mkldnn_usable, use_kernels
+
+    model = tiny_model(31, vocab=64, dtype=torch.bfloat16)
+    if kernel == "mkldnn" and not mkldnn_usable(model):
+        pytest.skip("oneDNN bf16 kernels unavailable here")
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # tokens 3 and 5 score almost the same for inputs along token 3's row: near-ties
+        w = model.lm_head.weight
+        w[5] = w[3] + 1e-3 * torch.randn(w.shape[1], generator=g).to(w.dtype)
+        d = w[3].float() / w[3].float().norm()
+    use_kernels(model, kernel)
+    noise = torch.randn(1, 24, model.cfg.hidden_size, generator=g)
+    h = (8 * d + 0.05 * noise).to(torch.bfloat16)
+    with torch.inference_mode():
+        ref = torch.cat([model.head(h[:, i : i + 1]).argmax(-1) for i in range(24)], dim=1)
+        got = head_argmax(model, h)
+        batched = model.lm_head(model.norm(h)).float()
+    assert torch.equal(got, ref)
+    assert set(ref[0].tolist()) <= {3, 5}  # the rows really are near-ties between the two tokens
+    top = batched.topk(2, dim=-1).values[0]
+    assert float((top[:, 0] - top[:, 1]).min()) < 0.05
