@@ -262,6 +262,28 @@ def test_disconnect_cancels_and_frees_the_slot(tiny_engine):
         assert h["active"] == 0 and h["cancelled"] == 2 and h["completed"] == 1, h
 
 
+class FailOnceScheduler(Scheduler):
+    """A scheduler whose first batched step fails (a stand-in for a bug deep in decoding)."""
+
+    failed = False
+
+    def _batched_step(self, jobs):
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("boom")
+        super()._batched_step(jobs)
+
+
+def test_a_decoding_failure_answers_500_without_traceback_and_the_server_goes_on(tiny_engine):
+    app = create_app(tiny_engine, FailOnceScheduler(tiny_engine, "vanilla"), MODEL)
+    with background(app) as url:
+        r = _post(url, "/v1/completions", {"model": MODEL, "prompt": long_prompt(tiny_engine, 5), "max_tokens": 5})
+        assert r.status_code == 500 and "Traceback" not in r.text
+        assert r.json()["error"]["type"] == "server_error"
+        assert client(url).completions.create(model=MODEL, prompt="hi", max_tokens=3).choices[0].text is not None
+        assert wait_idle(url)["failed"] == 1
+
+
 def test_stop_strings_cut_streamed_and_whole_answers_alike(server, tiny_engine):
     c = client(server)
     ids = tiny_engine.tokenizer.encode("one two three")

@@ -74,6 +74,7 @@ class Job:
     emit: Callable[[Update], None]
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     cancelled: bool = False
+    finished: bool = False  # answered in full, or ended by an error
     # decoding state, set at admission
     stopper: Stopper | None = None
     cache: KVCache | None = None
@@ -212,11 +213,13 @@ class Scheduler:
 
     def _keep(self, job: Job) -> bool:
         """False (and counted) for jobs that finished, failed or were cancelled: their cache is dropped."""
-        if job.cancelled and job.stopper is not None and not job.stopper.done:
+        if job.finished:
+            return False
+        if job.cancelled:
             self.counts["cancelled"] += 1
             job.cache = job.drafter = None
             return False
-        return job.stopper is not None and not job.stopper.done
+        return True
 
     def _guard(self, jobs: list[Job], step: Callable[..., None]) -> None:
         """Run ``step``; an unexpected failure ends these jobs with an error instead of the loop."""
@@ -228,8 +231,7 @@ class Scheduler:
             for job in jobs:
                 self.counts["failed"] += 1
                 job.emit(Update(done=True, error=e))
-                job.stopper = job.stopper or Stopper(job.gen, [], None, 1)
-                job.stopper.reason = job.stopper.reason or "error"
+                job.finished = True
                 job.cache = job.drafter = None
 
     def _start(self, jobs: list[Job]) -> None:
@@ -250,6 +252,7 @@ class Scheduler:
         kept = job.stopper.push(new)
         job.tok = new[-1]
         if job.stopper.done:
+            job.finished = True
             self.counts["completed"] += 1
             self.recent_seconds.append(time.perf_counter() - job.t0)
             job.emit(Update(new[:kept], True, job.stopper.reason, job.stats(self.method)))
