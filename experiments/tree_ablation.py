@@ -25,11 +25,13 @@ from m2r2.engine import Engine
 from m2r2.machine import cpu_name
 
 #: (label, options of the m2r2 method): a chain (one branch), trees of growing size
+#: "-all" variants verify every drafted node (no cost model): what the drafts could give per pass
 VARIANTS = [
     ("chain-4", {"max_nodes": 4, "width": 1, "branch": 1, "max_depth": 4}),
-    ("tree-4", {"max_nodes": 4, "width": 2, "branch": 2, "max_depth": 4}),
     ("tree-8", {"max_nodes": 8, "width": 2, "branch": 2, "max_depth": 5}),
-    ("tree-12", {"max_nodes": 12, "width": 3, "branch": 3, "max_depth": 6}),
+    ("chain-4-all", {"max_nodes": 4, "width": 1, "branch": 1, "max_depth": 4, "adaptive": False}),
+    ("tree-8-all", {"max_nodes": 8, "width": 2, "branch": 2, "max_depth": 5, "adaptive": False}),
+    ("tree-16-all", {"max_nodes": 16, "width": 3, "branch": 3, "max_depth": 6, "adaptive": False}),
 ]
 
 
