@@ -85,6 +85,9 @@ class TreeState:
 
     h_last: Tensor | None = None
     calib: float = 1.0
+    gain: float = 1.0  # running tokens gained per drafting round (optimistic start: draft at first)
+    cost: float = 0.0  # running extra cost of a drafting round, in one-token steps
+    idle: int = 0  # rounds since the last draft
     passes: int = 0
     rows: int = 0
     drafted: int = 0
@@ -120,8 +123,15 @@ class TreeSpeculative:
         self.last_cache: KVCache | None = None
 
     # ---- drafting -------------------------------------------------------------------------------
-    def draft(self, h_last: Tensor, tok: int, cache: KVCache, room: int, gen: GenerationConfig) -> Tree:
-        """Grow a tree under ``tok`` (node 0) for at most ``room`` nodes besides the root."""
+    def draft(
+        self, h_last: Tensor, tok: int, cache: KVCache, room: int, gen: GenerationConfig, calib: float = 1.0
+    ) -> Tree:
+        """Grow a tree under ``tok`` (node 0) for at most ``room`` nodes besides the root.
+
+        With measured costs, a level is only drafted while its best open node's calibrated path
+        probability exceeds what one more draft step and one more verify row cost (in steps): deeper
+        drafts would not pay for themselves.
+        """
         greedy = gen.greedy
         width, branch = (self.width, self.branch) if greedy else (1, 1)
         depth_cap = min(self.max_depth, room)
@@ -162,6 +172,8 @@ class TreeSpeculative:
                 new_seed_rows.append(i)
             frontier = new[:width]
             if not frontier or len(tree.tokens) - 1 >= self.max_nodes * 2:
+                break
+            if greedy and self.costs is not None and calib * tree.scores[frontier[0]] < self._level_cost():
                 break
             seeds = states[-1][:, [new_seed_rows[j] for j in range(len(frontier))]]
         return tree
@@ -264,8 +276,8 @@ class TreeSpeculative:
         room = min(stopper.budget - len(stopper.tokens) - 1, cache.max_len - verified - 1, self.max_nodes)
         rows = [0]
         tree = Tree([tok], [-1], [0], [1.0], [None])
-        if room > 0 and self._worth_drafting():
-            tree = self.draft(state.h_last, tok, cache, room, gen)
+        if room > 0 and self._worth_drafting(state):
+            tree = self.draft(state.h_last, tok, cache, room, gen, state.calib)
             steps = max(tree.depths)
             state.draft_steps += steps
             rows = self.choose(tree, room, state.calib, steps) if gen.greedy else self._chain(tree, room)
@@ -284,6 +296,11 @@ class TreeSpeculative:
         predicted = sum(tree.scores[r] for r in rows[1:])
         if predicted > 0:  # calibrate path probabilities against what was accepted
             state.calib = 0.9 * state.calib + 0.1 * min(4.0, (n + 0.1) / (predicted + 0.1))
+        if n_rows > 1 and self.costs is not None:  # what this round's drafting gained and cost, in steps
+            c = self.costs
+            spent = (max(tree.depths) * c.draft[min(self.width, len(c.draft)) - 1] + c.verify[n_rows - 1]) / c.verify[0]
+            state.gain = 0.8 * state.gain + 0.2 * n
+            state.cost = 0.8 * state.cost + 0.2 * (spent - 1.0)
         state.passes += 1
         state.rows += n_rows
         state.drafted += n_rows - 1
@@ -292,10 +309,23 @@ class TreeSpeculative:
         state.h_last = h[:, rows.index(path[-1])][:, None]
         return [*[tree.tokens[r] for r in path[1:]], nxt], n, n_rows - 1, accept_rate
 
-    def _worth_drafting(self) -> bool:
-        """Drafting pays only if one draft step plus a 2-row pass beats a plain step at best-case odds."""
+    def _level_cost(self) -> float:
+        """One more draft level plus one more verify row, in one-token steps."""
         c = self.costs
-        return c is None or len(c.verify) < 2 or 2.0 / (c.draft[0] + c.verify[1]) > 1.0 / c.verify[0]
+        assert c is not None
+        extra_row = (c.verify[1] - c.verify[0]) if len(c.verify) > 1 else 0.0
+        return (c.draft[min(self.width, len(c.draft)) - 1] + extra_row) / c.verify[0]
+
+    def _worth_drafting(self, state: TreeState) -> bool:
+        """Draft when recent rounds gained more tokens than drafting and verifying them cost (in steps);
+        after 8 rounds without drafting, draft once more to keep the estimate current."""
+        if self.costs is None:
+            return True
+        if state.gain >= state.cost or state.idle >= 8:
+            state.idle = 0
+            return True
+        state.idle += 1
+        return False
 
     def _chain(self, tree: Tree, room: int) -> list[int]:
         rows, r = [0], 0
