@@ -99,7 +99,7 @@ class Engine:
             return method
         from m2r2.multirate.io import bundled_adapters
 
-        return "m2r2" if options.get("adapters") or bundled_adapters(self.fingerprint) else "vanilla"
+        return "m2r2" if options.get("adapters") or bundled_adapters(self.fingerprint, None) else "vanilla"
 
     def strategy(self, method: str, **options: Any) -> Strategy:
         """The strategy called ``method`` (built once per option set; ``auto`` as in :meth:`resolve_method`)."""

@@ -95,9 +95,9 @@ def check_vocab(ids: torch.Tensor, vocab_size: int, where: object) -> torch.Tens
     return ids.sort().values
 
 
-def bundled_adapters(fingerprint: str, kind: str | None = None) -> Path | None:
+def bundled_adapters(fingerprint: str, kind: str | None = "prefix") -> Path | None:
     """The adapters shipped in ``m2r2/adapters/`` for the base model with this fingerprint, if any
-    (of ``kind`` when given: ``prefix`` or ``seeded``)."""
+    (of ``kind``: ``prefix``, the default, or ``seeded``; None = either)."""
     return weightfile.bundled(
         ADAPTERS, fingerprint, lambda meta: kind is None or adapter_kind(meta.get("config", {})) == kind
     )
