@@ -236,14 +236,19 @@ def train_seeded(
 
 
 @torch.no_grad()
-def evaluate_chain(stream: SeededFastStream, seqs: list[dict[str, Tensor]], depth: int, chain: int) -> list[float]:
-    """Top-1 agreement with the full model at draft steps 1..chain on ``seqs`` (token-weighted)."""
+def evaluate_chain(
+    stream: SeededFastStream, seqs: list[dict[str, Tensor]], depth: int, chain: int, starts: list[int] | None = None
+) -> list[float]:
+    """Top-1 agreement with the full model at draft steps 1..chain on ``seqs`` (token-weighted);
+    with ``starts``, only positions from each sequence's answer start on count."""
     was = stream.training
     stream.eval()
     hits = [0.0] * chain
     total = [0] * chain
     for i in range(0, len(seqs), 16):
         batch = pad_batch(seqs[i : i + 16], depth)
+        for j, start in enumerate((starts or [])[i : i + 16]):
+            batch["valid"][j, :start] = False  # the prompt is not drafted
         out = chain_losses(stream, batch, chain)
         pos = torch.arange(batch["tokens"].shape[1])
         for s, a in enumerate(out["agree"]):
@@ -272,17 +277,4 @@ def held_out_agreement(
     acceptance proxy the speculative loop sees, per draft position.
     """
     rows = answers_store(base, [t for t, _ in sequences], stream.cfg.depth)
-    hits, total = [0.0] * chain, [0] * chain
-    was = stream.training
-    stream.eval()
-    for row, (_, start) in zip(rows, sequences, strict=True):
-        batch = pad_batch([row], stream.cfg.depth)
-        batch["valid"][:, :start] = False  # score answer positions only (the prompt is not drafted)
-        out = chain_losses(stream, batch, chain)
-        pos = torch.arange(batch["tokens"].shape[1])
-        for s, a in enumerate(out["agree"]):
-            n = int((batch["valid"] & (pos >= s + 1)[None, :]).sum())
-            hits[s] += a * n
-            total[s] += n
-    stream.train(was)
-    return [h / max(t, 1) for h, t in zip(hits, total, strict=True)]
+    return evaluate_chain(stream, rows, stream.cfg.depth, chain, [start for _, start in sequences])
