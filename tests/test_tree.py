@@ -274,3 +274,23 @@ def test_store_takes_the_models_own_answers_and_training_reads_several_stores(tm
     meta = json.loads((tmp_path / "run" / "adapters.json").read_text())
     assert meta["train"]["store_tokens"] == TrainStore(tmp_path / "a").tokens + b.tokens
     assert isinstance(stream, SeededFastStream)
+
+
+@pytest.mark.parametrize("kernel", ["plain", "mkldnn"])
+def test_a_verify_pass_gives_each_row_its_one_token_step_bits(kernel):
+    """Whatever the machine's probes chose (stacked attention rows, batched GEMM rows, or one call
+    per row), every row of a 20-row bf16 pass equals the one-token decoding step at its position."""
+    from m2r2.kernels import mkldnn_usable, use_kernels
+
+    model = tiny_model(32, vocab=64, dtype=torch.bfloat16, head_dim=64)
+    if kernel == "mkldnn" and not mkldnn_usable(model):
+        pytest.skip("oneDNN bf16 kernels unavailable here")
+    use_kernels(model, kernel)
+    tokens = torch.randint(0, 64, (1, 60), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        one, many = model.new_cache(64), model.new_cache(64)
+        model(tokens[:, :40], one, 0)
+        model(tokens[:, :40], many, 0)
+        steps = torch.cat([model.run_layers(model.embed_tokens(tokens[:, p : p + 1]), one, p) for p in range(40, 60)], 1)
+        block = model.run_layers(model.embed_tokens(tokens[:, 40:60]), many, 40)
+    assert torch.equal(block, steps)

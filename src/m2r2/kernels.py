@@ -7,6 +7,7 @@ layer, a weight-only int8 one, or the 4-bit one that runs the bundled GGUF's own
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
@@ -28,17 +29,49 @@ def row_by_row(f: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
     return f(x)
 
 
+#: Row counts a batching probe compares against one-row calls (every count a verify pass or a
+#: batched serving step may use follows the same GEMM blocking as one of these).
+_PROBE_ROWS = (2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 24, 31, 32)
+
+
+@functools.cache
+def batches_exactly(kind: str, out_features: int, in_features: int, dtype: torch.dtype) -> bool:
+    """Whether this machine's ``kind`` GEMM ("packed" oneDNN or "plain" ``F.linear``) gives each row
+    of a 2..:data:`ROW_INVARIANT_MAX_ROWS`-row pass the bits it gets alone, probed once per shape.
+
+    Why a probe: oneDNN picks its algorithm by CPU and shape, not by values. With native bf16 (AMX)
+    a multi-row pass was measured row-invariant and nearly as cheap as one row (so verification
+    costs about one step); without it rows changed bits from ~20 rows and passes run row by row.
+    """
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(out_features, in_features, generator=gen).to(dtype)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, batch_size=1) if kind == "packed" else None
+
+    def run(x: Tensor) -> Tensor:
+        if packed is None:
+            return F.linear(x, w)
+        return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+    for rows in _PROBE_ROWS:
+        x = torch.randn(rows, in_features, generator=gen).to(dtype)
+        if not torch.equal(run(x), torch.cat([run(x[i : i + 1]) for i in range(rows)])):
+            return False
+    return True
+
+
 class RowInvariantLinear(nn.Linear):
     """A plain low-precision linear layer that gives each row of a short pass the bits it gets alone.
 
     On a CPU without native bf16 instructions, oneDNN's bf16 GEMM was measured to change its
     algorithm with the number of rows (a 21-row lookahead pass gave some rows other bits than
-    decoding), which would break lossless verification with ``--kernel plain`` in bf16. Passes of
-    up to :data:`ROW_INVARIANT_MAX_ROWS` rows therefore run one row at a time, as decoding does;
-    longer ones (prefill) run whole. Parameters and state-dict names are those of ``nn.Linear``.
+    decoding), which would break lossless verification with ``--kernel plain`` in bf16. Where
+    :func:`batches_exactly` finds that so, passes of up to :data:`ROW_INVARIANT_MAX_ROWS` rows run
+    one row at a time, as decoding does; longer ones (prefill) run whole. Parameters and state-dict names are those of ``nn.Linear``.
     """
 
     def forward(self, x: Tensor) -> Tensor:
+        if batches_exactly("plain", self.out_features, self.in_features, self.weight.dtype):
+            return F.linear(x, self.weight, self.bias)
         return row_by_row(lambda r: F.linear(r, self.weight, self.bias), x)
 
 
@@ -46,9 +79,10 @@ class PackedLinear(nn.Module):
     """A frozen linear layer whose bf16 weight is pre-packed for oneDNN (AMX / AVX-512 on x86 CPUs).
 
     Measured on an AMX CPU (3072x576, bf16): 0.135 ms at 1 row vs 0.22 ms for ``F.linear``, and
-    nearly flat up to 16 rows. On a CPU without native bf16 instructions its results for a row were
-    measured to change with the number of rows (from ~20 rows), so short passes run row by row
-    (:func:`row_by_row`): a verify pass then sees exactly a one-token step's numbers.
+    nearly flat up to 16 rows, and row-invariant. On a CPU without native bf16 instructions its
+    results for a row were measured to change with the number of rows (from ~20 rows); there
+    (:func:`batches_exactly` probes it) short passes run row by row (:func:`row_by_row`), so a
+    verify pass sees exactly a one-token step's numbers.
     """
 
     def __init__(self, lin: nn.Linear) -> None:
@@ -57,8 +91,11 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = lin.in_features, lin.out_features
         self.bias = lin.bias
         self.packed = torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), batch_size=1)
+        self.batches = batches_exactly("packed", self.out_features, self.in_features, lin.weight.dtype)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.batches:
+            return self._rows(x)
         return row_by_row(self._rows, x)
 
     def _rows(self, x: Tensor) -> Tensor:
@@ -277,6 +314,15 @@ def _row_norm_max(lin: nn.Module) -> float:
     return cached
 
 
+def _batches(lin: nn.Module) -> bool:
+    """Whether a multi-row pass through ``lin`` already gives each row its one-row bits."""
+    if isinstance(lin, PackedLinear):
+        return lin.batches
+    return isinstance(lin, RowInvariantLinear) and batches_exactly(
+        "plain", lin.out_features, lin.in_features, lin.weight.dtype
+    )
+
+
 def head_argmax(model: Transformer, h: Tensor) -> Tensor:
     """``model.head(row).argmax(-1)`` for every row of ``h`` (``[..., d]``: a verify pass's rows, or one
     row per sequence of a batched step) as if each ran alone, at about one head's cost.
@@ -293,7 +339,7 @@ def head_argmax(model: Transformer, h: Tensor) -> Tensor:
     x = model.norm(h)
     lin = model.lm_head
     flat = x.reshape(-1, x.shape[-1])
-    if flat.shape[0] <= 1 or not isinstance(lin, PackedLinear | RowInvariantLinear):
+    if flat.shape[0] <= 1 or not isinstance(lin, PackedLinear | RowInvariantLinear) or _batches(lin):
         return model.lm_head(x).float().argmax(-1)
     batched = (lin._rows(flat) if isinstance(lin, PackedLinear) else F.linear(flat, lin.weight, lin.bias)).float()
     top = batched.topk(2, dim=-1)

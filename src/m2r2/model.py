@@ -12,6 +12,8 @@ stream (``m2r2.multirate``) can reuse the same weights and code without this fil
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
@@ -118,32 +120,68 @@ def _one_row_each(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, gqa: bool) -> T
     return out.reshape(b, t, h, d)
 
 
-def _row_math(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, gqa: bool) -> Tensor:
-    """Attention of one query row per batch item (``q`` ``[B, H, 1, D]``) in two float32 matmuls; ``[B, H, 1, D]``.
+#: Fewest keys for which :func:`_row_math` stacks rows (see :func:`_stacked_rows_exact`).
+STACKED_MIN_KEYS = 16
+
+
+@functools.cache
+def _stacked_rows_exact(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether :func:`_row_math` with rows stacked gives every row of a 2..:data:`ROW_INVARIANT_MAX_ROWS`-row
+    pass the bits of a one-row call on this machine, probed once per head shape on random inputs.
+
+    Measured: on an AMX Xeon SmolLM2's heads (9 query heads over 3 key heads) stack exactly, from
+    :data:`STACKED_MIN_KEYS` keys on (with 1-2 keys the bits changed), while a tiny 4-over-2-head
+    model did not; a CPU without AVX-512 bf16 changed bits. BLAS picks its blocking by shape, not by
+    values, so a probe over row counts and key lengths decides; where it fails rows run one by one.
+    """
+    gen = torch.Generator().manual_seed(0)
+    gqa = kv_heads != heads
+    for s in (STACKED_MIN_KEYS, 37, 200, 1025):
+        k = torch.randn(1, kv_heads, s, head_dim, generator=gen).to(dtype)
+        v = torch.randn(1, kv_heads, s, head_dim, generator=gen).to(dtype)
+        for t in range(2, min(s - 3, ROW_INVARIANT_MAX_ROWS) + 1):
+            q = torch.randn(1, heads, t, head_dim, generator=gen).to(dtype)
+            mask = torch.arange(s)[None, :] <= torch.arange(s - t - 3, s - 3)[:, None]
+            whole = _row_math(q, k, v, mask, gqa, stack=True)
+            if not torch.equal(whole, _row_math(q, k, v, mask, gqa, stack=False)):
+                return False
+    return True
+
+
+def _row_math(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, gqa: bool, stack: bool | None = None) -> Tensor:
+    """Attention of query rows ``q`` (``[B, H, T, D]``) in two float32 matmuls, each row getting the
+    bits a one-row decoding step gets; ``[B, T, H, D]``. ``mask`` is ``[T, S]`` or ``[B, T, S]``.
 
     Why: on a CPU the fused SDPA kernel costs ~0.3 ms per query row per layer in bf16 (a third of a
-    SmolLM2 decoding step) for ~0.2 MFLOP of work; two float32 matmuls over the keys cost ~0.08 ms.
-    Every row of a pass goes through this same call with the same shapes, so a row gets the bits a
-    one-row decoding step gets. (One GEMM over all rows would be cheaper still, but its float32
-    results were measured to change with the number of rows.)
+    SmolLM2 decoding step) for ~0.2 MFLOP of work; two float32 matmuls over the keys cost ~0.02 ms.
+    A row's query heads form a ``g``-row block of the matmul per key head; the T rows' blocks are
+    stacked into one matmul (``stack``; by default where :func:`_stacked_rows_exact` finds that
+    changes no bits: a k-row verify pass then costs one call per layer, not k), else each row runs
+    alone.
     """
-    b, h, _, d = q.shape
+    b, h, t, d = q.shape
     kvh, s = k.shape[1], k.shape[2]
     g = h // kvh if gqa else 1
-    scores = torch.matmul(q.float().reshape(b, kvh, g, d), k.float().transpose(-1, -2)).mul_(d**-0.5)
-    p = torch.softmax(scores.masked_fill(~mask.reshape(-1, 1, 1, s), float("-inf")), dim=-1)
-    return torch.matmul(p, v.float()).reshape(b, h, 1, d).to(q.dtype)
+    if t > 1 and stack is None:
+        stack = s >= STACKED_MIN_KEYS and _stacked_rows_exact(h, kvh, d, q.dtype)
+    if t > 1 and not stack:
+        rows = [mask[..., i : i + 1, :] if mask.dim() > 2 else mask[i : i + 1] for i in range(t)]
+        return torch.cat([_row_math(q[:, :, i : i + 1], k, v, rows[i], gqa) for i in range(t)], dim=1)
+    qf = q.float().reshape(b, kvh, g, t, d).transpose(2, 3).reshape(b, kvh, t * g, d)
+    scores = torch.matmul(qf, k.float().transpose(-1, -2)).mul_(d**-0.5).view(b, kvh, t, g, s)
+    keep = mask.reshape(-1, 1, t, 1, s)
+    p = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1).view(b, kvh, t * g, s)
+    out = torch.matmul(p, v.float()).view(b, kvh, t, g, d)
+    return out.permute(0, 2, 1, 3, 4).reshape(b, t, h, d).to(q.dtype)
 
 
 def _few_rows(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, gqa: bool) -> Tensor:
-    """Row-invariant attention for up to :data:`ROW_INVARIANT_MAX_ROWS` rows, ``[B, T, H, D]``: one
-    :func:`_row_math` call per row for low-precision CPU tensors (faster there), else the fused kernel
-    with every row as its own batch item (float32 keeps the kernel transformers uses, so the
-    reference mode matches it exactly)."""
+    """Row-invariant attention for up to :data:`ROW_INVARIANT_MAX_ROWS` rows, ``[B, T, H, D]``:
+    :func:`_row_math` for low-precision CPU tensors (faster there), else the fused kernel with every
+    row as its own batch item (float32 keeps the kernel transformers uses, so the reference mode
+    matches it exactly)."""
     if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
-        t = q.shape[2]
-        rows = [mask[..., i : i + 1, :] if mask.dim() > 2 else mask[i : i + 1] for i in range(t)]
-        return torch.cat([_row_math(q[:, :, i : i + 1], k, v, rows[i], gqa) for i in range(t)], dim=2).transpose(1, 2)
+        return _row_math(q, k, v, mask, gqa)
     return _one_row_each(q, k, v, mask, gqa)
 
 
