@@ -291,6 +291,8 @@ def test_a_verify_pass_gives_each_row_its_one_token_step_bits(kernel):
         one, many = model.new_cache(64), model.new_cache(64)
         model(tokens[:, :40], one, 0)
         model(tokens[:, :40], many, 0)
-        steps = torch.cat([model.run_layers(model.embed_tokens(tokens[:, p : p + 1]), one, p) for p in range(40, 60)], 1)
+        steps = torch.cat(
+            [model.run_layers(model.embed_tokens(tokens[:, p : p + 1]), one, p) for p in range(40, 60)], 1
+        )
         block = model.run_layers(model.embed_tokens(tokens[:, 40:60]), many, 40)
     assert torch.equal(block, steps)

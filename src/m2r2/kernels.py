@@ -66,7 +66,8 @@ class RowInvariantLinear(nn.Linear):
     algorithm with the number of rows (a 21-row lookahead pass gave some rows other bits than
     decoding), which would break lossless verification with ``--kernel plain`` in bf16. Where
     :func:`batches_exactly` finds that so, passes of up to :data:`ROW_INVARIANT_MAX_ROWS` rows run
-    one row at a time, as decoding does; longer ones (prefill) run whole. Parameters and state-dict names are those of ``nn.Linear``.
+    one row at a time, as decoding does; longer ones (prefill) run whole. Parameters and state-dict
+    names are those of ``nn.Linear``.
     """
 
     def forward(self, x: Tensor) -> Tensor:

@@ -13,7 +13,6 @@ stream (``m2r2.multirate``) can reuse the same weights and code without this fil
 from __future__ import annotations
 
 import functools
-
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
