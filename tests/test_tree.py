@@ -247,7 +247,8 @@ def test_certified_head_argmax_equals_row_by_row_argmax(kernel):
     assert float((top[:, 0] - top[:, 1]).min()) < 0.05
 
 
-def test_store_takes_the_models_own_answers_and_training_reads_several_stores(tmp_path, tiny_model):
+@pytest.mark.parametrize("bf16", [False, True])
+def test_store_takes_the_models_own_answers_and_training_reads_several_stores(tmp_path, tiny_model, bf16):
     from m2r2.engine import Engine
     from m2r2.training.seeded_train import SeededTrainSettings, train_seeded
     from m2r2.training.store import StoreSettings, TrainStore, build_store, chat_encoder
@@ -268,7 +269,14 @@ def test_store_takes_the_models_own_answers_and_training_reads_several_stores(tm
     got = sorted(q["tokens"].tolist() for q in b.sequences(b.load_shard(0)))
     assert got == sorted([1, 5, 7] + [9] * (i + 2) for i in range(7))
     s = SeededTrainSettings(
-        store=f"{tmp_path / 'a'},{tmp_path / 'b'}", out=tmp_path / "run", steps=2, batch=4, holdout=2, chain=2, rank=2
+        store=f"{tmp_path / 'a'},{tmp_path / 'b'}",
+        out=tmp_path / "run",
+        steps=2,
+        batch=4,
+        holdout=2,
+        chain=2,
+        rank=2,
+        bf16=bf16,
     )
     stream = train_seeded(e.model, e.fingerprint, s, None)
     meta = json.loads((tmp_path / "run" / "adapters.json").read_text())

@@ -748,6 +748,12 @@ def _add_seeded_commands(sub: argparse._SubParsersAction) -> None:
     ts.add_argument("--warmup", type=int, default=20, help="linear warm-up steps (default 20)")
     ts.add_argument("--resume", action="store_true", help="continue from --out/checkpoint.pt")
     ts.add_argument("--init", default=None, help="seeded adapters to start from (e.g. before the store grew)")
+    ts.add_argument(
+        "--bf16",
+        action="store_true",
+        help="bf16 autocast for the fast stream's matmuls (float32 weights and optimizer): several times "
+        "faster on CPUs with AMX, see docs/TRAINING.md",
+    )
     ts.add_argument("--draft-vocab", default=None, help="adapter file whose draft vocabulary to use (default: shipped)")
     ts.add_argument("--model", default=os.environ.get("M2R2_MODEL"), help="base model (default smollm2-135m)")
     ts.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -825,6 +831,7 @@ def cmd_train_seeded(args: argparse.Namespace) -> int:
         resume=args.resume,
         warmup=args.warmup,
         init=args.init,
+        bf16=args.bf16,
         info={"base_model": str(args.model or "smollm2-135m")},
     )
     bar = tqdm(desc="train-seeded", unit="step", file=sys.stderr)
