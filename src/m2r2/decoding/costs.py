@@ -25,10 +25,10 @@ from m2r2.machine import cpu_name
 C = TypeVar("C")
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from m2r2.decoding.base import Loaded
     from m2r2.model import Transformer
-    from m2r2.multirate.fast import FastStream
-    from m2r2.multirate.seeded import SeededFastStream
 
 
 def expected_tokens(accept: float, drafts: int) -> float:
@@ -93,12 +93,13 @@ def measure_costs(model: Transformer, drafter_factory: Callable[[Any], Any], k_m
 COST_CACHE_MAX_AGE_S = 24 * 3600
 
 
-def cost_cache_path(engine: Loaded, fast: FastStream | SeededFastStream, k_max: int) -> Path:
+def cost_cache_path(engine: Loaded, fast: nn.Module, k_max: int) -> Path:
     """Where measured costs of this drafter on this machine are kept: ``$M2R2_CACHE/costs/<key>.json``.
 
-    The key holds everything the timings depend on (hardware, threads, versions, model, precision,
-    kernel, the drafter's shape: path, rank, folded or not, draft-vocabulary size) and nothing they
-    do not (the adapter values), so retrained adapters of the same shape reuse the measurement.
+    ``fast``: the drafter's module (a fast stream, seeded or not, or Medusa heads). The key holds
+    everything the timings depend on (hardware, threads, versions, model, precision, kernel, the
+    drafter's shape: its config, folded or not, draft-vocabulary size) and nothing they do not (the
+    trained values), so retrained adapters or heads of the same shape reuse the measurement.
     """
     parts = {
         "cpu": cpu_name(),
@@ -111,7 +112,7 @@ def cost_cache_path(engine: Loaded, fast: FastStream | SeededFastStream, k_max: 
         "kernel": engine.kernel,
         "fast": asdict(fast.cfg),
         "adapters": getattr(fast, "use_adapters", True),
-        "folded": fast.merged is not None,
+        "folded": getattr(fast, "merged", None) is not None,
         "draft_vocab": 0 if fast.sub_head is None or fast.draft_vocab is None else len(fast.draft_vocab),
         "k_max": k_max,
     }

@@ -37,7 +37,7 @@ from m2r2.decoding.base import (
     warp_probs,
 )
 from m2r2.decoding.costs import CostModel, cached_costs, cost_cache_path, measure_costs
-from m2r2.decoding.tree import TreeSpeculative, build_tree_speculative
+from m2r2.decoding.tree import SeededDrafter, TreeSpeculative, build_tree_speculative
 from m2r2.errors import SettingsError
 from m2r2.model import ROW_INVARIANT_MAX_ROWS, Transformer
 from m2r2.multirate.fast import DraftBlock, FastConfig, FastStream
@@ -306,7 +306,9 @@ def _m2r2(
     path = Path(adapters) if adapters else bundled_adapters(engine.fingerprint, "seeded")
     fast = load_default(engine.model, engine.fingerprint, path)
     if isinstance(fast, SeededFastStream):
-        return build_tree_speculative("m2r2", engine, fast, adaptive, cost_cache, max_nodes, max_depth, width, branch)
+        drafter = SeededDrafter(fast.to(engine.model.device).freeze(merge=True))
+        tree = (max_nodes, max_depth, width, branch)
+        return build_tree_speculative("m2r2", engine, drafter, adaptive, cost_cache, *tree)
     return build_self_speculative("m2r2", engine, fast, max_draft, stop_below, use_arla, adaptive, cost_cache)
 
 

@@ -1,11 +1,14 @@
-"""M2R2 self-speculation with the seeded fast stream: token trees verified in one slow pass.
+"""Token trees verified in one slow pass: M2R2 self-speculation with the seeded fast stream, and any
+other :class:`TreeDrafter` (Medusa heads, :mod:`m2r2.decoding.medusa`) on the same footing.
 
 Round: the slow stream has verified ``L`` positions and produced the next token ``x`` and the final
-state ``h_N(L-1)``. The fast stream (:mod:`m2r2.multirate.seeded`) drafts a tree under ``x``:
-depth by depth, the ``width`` most probable open nodes (by path probability, the product of draft
-probabilities from the root) are expanded in one fast step, each adding its ``branch`` most likely
-children. The tree kept for verification is the most probable nodes, as many as maximise expected
-tokens per second under measured costs (draft step and verify passes of k rows; a path's
+state ``h_N(L-1)``. A drafter grows a tree under ``x``: depth by depth, the ``width`` most probable
+open nodes (by path probability, the product of draft probabilities from the root) are expanded in
+one draft step, each adding its ``branch`` most likely children. The seeded fast stream
+(:mod:`m2r2.multirate.seeded`) seeds each node's step with its parent's fast state; Medusa heads
+predict depth ``d`` from ``h_N(L-1)`` alone, so every node of a level gets the same children. The
+tree kept for verification is the most probable nodes, as many as maximise expected tokens per
+second under measured costs (the drafter's start, draft levels and verify passes of k rows; a path's
 probability, calibrated online by how often drafts are accepted, is its chance of being accepted).
 One slow pass over ``[x, nodes...]`` with a tree mask (each row sees the verified prefix and its
 ancestors; :class:`m2r2.model.GappedMask` gives each row the bits a decoding step would) yields the
@@ -22,7 +25,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import Tensor
@@ -44,16 +47,21 @@ from m2r2.model import ROW_INVARIANT_MAX_ROWS, Transformer
 from m2r2.multirate.seeded import SeededFastStream
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from m2r2.cache import KVCache
     from m2r2.decoding.base import Loaded
 
 
 @dataclass
 class TreeCosts:
-    """Seconds of one fast step over ``r`` rows (``draft[r-1]``) and of slow passes over k rows (``verify[k-1]``)."""
+    """Seconds of one draft level over ``r`` open nodes (``draft[r-1]``), of slow passes over k rows
+    (``verify[k-1]``), and of a drafter's fixed work per drafting round (``start``: Medusa scores all its
+    heads in one batched pass there, so its levels cost next to nothing; the seeded stream has none)."""
 
     draft: list[float]
     verify: list[float]
+    start: float = 0.0
 
 
 @dataclass
@@ -95,14 +103,74 @@ class TreeState:
     draft_steps: int = 0
 
 
+class TreeDrafter(Protocol):
+    """What :class:`TreeSpeculative` drafts with: per tree level, the next-token draft distribution of
+    each open node. A level's open nodes share one depth; a node whose parent is -1 (the root, or
+    every node of a cost measurement) is drafted from the seed ``h_last``."""
+
+    #: base layers one level runs (statistics); deepest level it can draft (Medusa: its head count)
+    layers_per_level: int
+    max_levels: int
+    #: the module whose shape the measured costs depend on (:func:`m2r2.decoding.costs.cost_cache_path`)
+    module: nn.Module
+
+    def start(self, h_last: Tensor, cache: KVCache, verified: int) -> None:
+        """Begin a tree after ``verified`` positions whose last final slow state is ``h_last`` ``[1, 1, d]``."""
+
+    def top(self, tree: Tree, frontier: list[int], k: int) -> tuple[Tensor, Tensor]:
+        """Greedy: the ``k`` most probable next tokens of each frontier node and their draft
+        probabilities, ``[n, k]`` each, or ``[1, k]`` when every node gets the same."""
+
+    def logits(self, tree: Tree, frontier: list[int]) -> Tensor:
+        """Sampling: draft logits ``[n or 1, V]`` (float32, -inf outside the draft vocabulary)."""
+
+
+class SeededDrafter:
+    """Tree levels from the seeded fast stream: one fast step over a level's open nodes, each seeded by
+    its parent's fast state (the root by the last verified position's slow state) and attending the
+    slow cache plus the fast K/V of its ancestors in the tree."""
+
+    max_levels = 1 << 30
+
+    def __init__(self, fast: SeededFastStream) -> None:
+        self.fast = self.module = fast
+        self.layers_per_level = fast.cfg.depth
+
+    def start(self, h_last: Tensor, cache: KVCache, verified: int) -> None:
+        self.cache, self.verified = cache, verified
+        self.seeds: dict[int, Tensor] = {-1: h_last[0, 0]}  # node -> the fast state its children start from
+        self.kv: list[tuple[Tensor, Tensor]] | None = None
+        self.kv_rows: list[int] = []  # tree node of each fast K/V row so far
+
+    def _level(self, tree: Tree, frontier: list[int]) -> Tensor:
+        dev = self.fast.base.device
+        rows = self.kv_rows + frontier
+        vis = tree.ancestors(rows)[len(self.kv_rows) :]  # new rows over old + new fast keys
+        positions = torch.tensor([self.verified + tree.depths[r] for r in frontier], device=dev)
+        tokens = torch.tensor([[tree.tokens[r] for r in frontier]], device=dev)
+        seeds = torch.stack([self.seeds[tree.parents[r]] for r in frontier])[None]
+        states, self.kv = self.fast.step(seeds, tokens, positions, self.cache, self.verified, self.kv, vis.to(dev))
+        self.kv_rows = rows
+        f = states[-1][0]
+        self.seeds.update(zip(frontier, f, strict=True))
+        return f
+
+    def top(self, tree: Tree, frontier: list[int], k: int) -> tuple[Tensor, Tensor]:
+        return self.fast.draft_top(self._level(tree, frontier), k)
+
+    def logits(self, tree: Tree, frontier: list[int]) -> Tensor:
+        return self.fast.draft_logits(self._level(tree, frontier))
+
+
 class TreeSpeculative:
-    """Lossless speculative decoding drafting token trees with a :class:`SeededFastStream`."""
+    """Lossless speculative decoding drafting token trees with a :class:`TreeDrafter` (a
+    :class:`SeededFastStream` is drafted with :class:`SeededDrafter`)."""
 
     def __init__(
         self,
         name: str,
         model: Transformer,
-        fast: SeededFastStream,
+        drafter: TreeDrafter | SeededFastStream,
         eos_ids: list[int],
         decode: object = None,
         max_nodes: int = 8,
@@ -117,7 +185,9 @@ class TreeSpeculative:
         for opt, val in (("max_depth", max_depth), ("width", width), ("branch", branch)):
             if not 1 <= val <= limit:
                 raise SettingsError(f"{opt} must be in 1..{limit}, got {val}")
-        self.name, self.model, self.fast, self.eos_ids, self.decode = name, model, fast, eos_ids, decode
+        if isinstance(drafter, SeededFastStream):
+            drafter = SeededDrafter(drafter)
+        self.name, self.model, self.drafter, self.eos_ids, self.decode = name, model, drafter, eos_ids, decode
         self.max_nodes, self.max_depth, self.width, self.branch = max_nodes, max_depth, width, branch
         self.costs = costs
         self.last_cache: KVCache | None = None
@@ -134,25 +204,17 @@ class TreeSpeculative:
         """
         greedy = gen.greedy
         width, branch = (self.width, self.branch) if greedy else (1, 1)
-        depth_cap = min(self.max_depth, room)
+        depth_cap = min(self.max_depth, room, self.drafter.max_levels)
         tree = Tree([tok], [-1], [0], [1.0], [None])
-        verified = cache.length
-        dev = self.model.device
-        fast_kv = None
-        kv_rows: list[int] = []  # tree node of each fast K/V row so far
-        seeds, frontier = h_last, [0]
+        self.drafter.start(h_last, cache, cache.length)
+        frontier = [0]
         for _ in range(depth_cap):
-            rows = kv_rows + frontier
-            vis = tree.ancestors(rows)[len(kv_rows) :]  # new rows over old + new fast keys
-            positions = torch.tensor([verified + tree.depths[r] for r in frontier], device=dev)
-            tokens = torch.tensor([[tree.tokens[r] for r in frontier]], device=dev)
-            states, fast_kv = self.fast.step(seeds, tokens, positions, cache, verified, fast_kv, vis.to(dev))
-            kv_rows = rows
+            n = len(frontier)
             if greedy:
-                top_ids, top_p = self.fast.draft_top(states[-1][0], branch)  # [n, branch]
+                top_ids, top_p = (t.expand(n, -1) for t in self.drafter.top(tree, frontier, branch))
             else:
-                q = warp_probs(self.fast.draft_logits(states[-1])[0], gen)  # [n, V]
-            cands: list[tuple[float, int, int, int]] = []  # (score, parent row in frontier, token, i)
+                q = warp_probs(self.drafter.logits(tree, frontier), gen).expand(n, -1)
+            cands: list[tuple[float, int, int, int]] = []  # (path probability, frontier row, token, parent)
             for i, r in enumerate(frontier):
                 if greedy:
                     for p, t in zip(top_p[i].tolist(), top_ids[i].tolist(), strict=True):
@@ -161,7 +223,7 @@ class TreeSpeculative:
                     t = int(torch.multinomial(q[i], 1, generator=self._rng))
                     cands.append((tree.scores[r] * float(q[i, t]), i, t, r))
             cands.sort(key=lambda c: -c[0])
-            new, new_seed_rows = [], []
+            new = []
             for score, i, t, r in cands:
                 tree.tokens.append(t)
                 tree.parents.append(r)
@@ -169,13 +231,11 @@ class TreeSpeculative:
                 tree.scores.append(score)
                 tree.probs.append(None if greedy else q[i])
                 new.append(len(tree.tokens) - 1)
-                new_seed_rows.append(i)
             frontier = new[:width]
             if not frontier or len(tree.tokens) - 1 >= self.max_nodes * 2:
                 break
             if greedy and self.costs is not None and calib * tree.scores[frontier[0]] < self._level_cost():
                 break
-            seeds = states[-1][:, [new_seed_rows[j] for j in range(len(frontier))]]
         return tree
 
     def choose(self, tree: Tree, room: int, calib: float, draft_steps: int) -> list[int]:
@@ -185,7 +245,7 @@ class TreeSpeculative:
         if self.costs is None:
             return [0, *sorted(order)]
         c = self.costs
-        draft_s = draft_steps * c.draft[min(self.width, len(c.draft)) - 1]  # spent already; it scales every rate
+        draft_s = c.start + draft_steps * c.draft[min(self.width, len(c.draft)) - 1]  # spent already: scales every rate
         best_n, best_rate, gain = 0, 1.0 / (draft_s + c.verify[0]), 0.0
         for n, r in enumerate(order, start=1):
             gain += min(1.0, calib * tree.scores[r])
@@ -239,11 +299,12 @@ class TreeSpeculative:
                 "acceptance_rate": state.accepted / state.drafted if state.drafted else 0.0,
                 "verify_rows_per_pass": state.rows / passes if passes else 0.0,
                 "verify_passes_per_token": passes / ntok,
-                "draft_layers_per_token": state.draft_steps * self.fast.cfg.depth / ntok,
-                "layers_per_token": (passes * n_layers + state.draft_steps * self.fast.cfg.depth) / ntok,
+                "draft_layers_per_token": state.draft_steps * self.drafter.layers_per_level / ntok,
+                "layers_per_token": (passes * n_layers + state.draft_steps * self.drafter.layers_per_level) / ntok,
                 **(
                     {
                         "draft_cost": self.costs.draft[0] / self.costs.verify[0],
+                        "draft_start_cost": self.costs.start / self.costs.verify[0],
                         "verify_cost": [v / self.costs.verify[0] for v in self.costs.verify],
                     }
                     if self.costs is not None
@@ -298,7 +359,8 @@ class TreeSpeculative:
             state.calib = 0.9 * state.calib + 0.1 * min(4.0, (n + 0.1) / (predicted + 0.1))
         if n_rows > 1 and self.costs is not None:  # what this round's drafting gained and cost, in steps
             c = self.costs
-            spent = (max(tree.depths) * c.draft[min(self.width, len(c.draft)) - 1] + c.verify[n_rows - 1]) / c.verify[0]
+            level = c.draft[min(self.width, len(c.draft)) - 1]
+            spent = (c.start + max(tree.depths) * level + c.verify[n_rows - 1]) / c.verify[0]
             state.gain = 0.8 * state.gain + 0.2 * n
             state.cost = 0.8 * state.cost + 0.2 * (spent - 1.0)
         state.passes += 1
@@ -379,29 +441,27 @@ def _is_chain(tree: Tree, rows: list[int]) -> bool:
     return all(tree.parents[r] == rows[i] for i, r in enumerate(rows[1:]))
 
 
-def measure_tree_costs(model: Transformer, fast: SeededFastStream, k_max: int, repeats: int = 5) -> TreeCosts:
-    """Time fast steps over 1..4 rows and greedy slow passes (certified head argmax, as a greedy verify
-    runs) over 1..k_max+1 rows at a 128-token context.
+def measure_tree_costs(model: Transformer, drafter: TreeDrafter, k_max: int, repeats: int = 5) -> TreeCosts:
+    """Time a drafter's start, its levels over 1..4 open nodes and greedy slow passes (certified head
+    argmax, as a greedy verify runs) over 1..k_max+1 rows at a 128-token context.
 
-    Interleaved rounds, minimum kept (so a burst of other load cannot make one look cheap).
+    Interleaved rounds, minimum kept (so a burst of other load cannot make one look cheap). A level
+    is timed after a start (its K/V restart there) and the start's own time is taken off.
     """
     ctx = 128
     cache = model.new_cache(ctx + k_max + 2)
     dev = model.device
     ids = torch.arange(ctx, device=dev)[None] % model.cfg.vocab_size
-    d = model.cfg.hidden_size
-    calls = []
+    h = torch.zeros(1, 1, model.cfg.hidden_size, dtype=model.dtype, device=dev)
+    calls = [lambda: drafter.start(h, cache, ctx)]
     for r in range(1, 5):
-        h = torch.zeros(1, r, d, dtype=model.dtype, device=dev)
-        toks = torch.ones(1, r, dtype=torch.long, device=dev)
-        pos = torch.full((r,), ctx, device=dev)
-        vis = torch.eye(r, dtype=torch.bool, device=dev)
+        tree = Tree([1] * r, [-1] * r, [0] * r, [1.0] * r)  # r open nodes drafted from the seed
 
-        def one(h=h, toks=toks, pos=pos, vis=vis) -> None:
-            states, _ = fast.step(h, toks, pos, cache, ctx, None, vis)
-            fast.draft_top(states[-1][0], 2)
+        def level(tree=tree, r=r) -> None:
+            drafter.start(h, cache, ctx)
+            drafter.top(tree, list(range(r)), 2)
 
-        calls.append(one)
+        calls.append(level)
     for k in range(1, k_max + 2):
         block = torch.ones(1, k, dtype=torch.long, device=dev)
         calls.append(lambda block=block: head_argmax(model, model.run_layers(model.embed_tokens(block), cache, ctx)))
@@ -415,12 +475,14 @@ def measure_tree_costs(model: Transformer, fast: SeededFastStream, k_max: int, r
                 t = time.perf_counter()
                 f()
                 best[i] = min(best[i], time.perf_counter() - t)
-    return TreeCosts(draft=best[:4], verify=best[4:])
+    start = best[0]
+    return TreeCosts(draft=[max(b - start, 1e-6) for b in best[1:5]], verify=best[5:], start=start)
 
 
 def _tree_costs(raw: dict[str, object]) -> TreeCosts:
-    costs = TreeCosts([float(x) for x in raw["draft"]], [float(x) for x in raw["verify"]])  # type: ignore[union-attr]
-    if not (costs.draft and costs.verify and min(costs.draft + costs.verify) > 0):
+    draft, verify = raw["draft"], raw["verify"]
+    costs = TreeCosts([float(x) for x in draft], [float(x) for x in verify], float(raw.get("start", 0.0)))  # type: ignore[union-attr]
+    if not (costs.draft and costs.verify and min(costs.draft + costs.verify) > 0 and costs.start >= 0):
         raise ValueError("non-positive cost")
     return costs
 
@@ -428,7 +490,7 @@ def _tree_costs(raw: dict[str, object]) -> TreeCosts:
 def build_tree_speculative(
     name: str,
     engine: Loaded,
-    fast: SeededFastStream,
+    drafter: TreeDrafter,
     adaptive: bool = True,
     cost_cache: bool = True,
     max_nodes: int = 8,
@@ -436,19 +498,17 @@ def build_tree_speculative(
     width: int = 2,
     branch: int = 2,
 ) -> TreeSpeculative:
-    """A :class:`TreeSpeculative` with folded fast layers and measured costs (``adaptive``; kept per
-    machine and drafter shape in ``$M2R2_CACHE/costs`` for a day when ``cost_cache``)."""
+    """A :class:`TreeSpeculative` drafting with ``drafter`` (in its inference form) and measured costs
+    (``adaptive``; kept per machine and drafter shape in ``$M2R2_CACHE/costs`` for a day when ``cost_cache``)."""
     model = engine.model
-    fast.to(model.device).freeze(merge=True)
     costs = None
     if adaptive:
 
         def measure() -> TreeCosts:
-            return measure_tree_costs(model, fast, max_nodes)
+            return measure_tree_costs(model, drafter, max_nodes)
 
-        path = cost_cache_path(engine, fast, max_nodes).with_name(
-            f"tree-{cost_cache_path(engine, fast, max_nodes).name}"
-        )
+        path = cost_cache_path(engine, drafter.module, max_nodes)
+        path = path.with_name(f"tree-{path.name}")
         costs = cached_costs(path, measure, _tree_costs) if cost_cache else measure()
     tok = engine.tokenizer
-    return TreeSpeculative(name, model, fast, tok.eos_ids, tok.decode, max_nodes, max_depth, width, branch, costs)
+    return TreeSpeculative(name, model, drafter, tok.eos_ids, tok.decode, max_nodes, max_depth, width, branch, costs)

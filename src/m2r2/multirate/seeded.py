@@ -108,7 +108,61 @@ def chained_attention(q: Tensor, slow: tuple[Tensor, Tensor], fast: list[tuple[T
     return out
 
 
-class SeededFastStream(nn.Module):
+class DraftHead:
+    """The frozen base model's final norm and LM head, scored over a draft vocabulary: how every drafter
+    that reads the base head (the seeded fast stream, Medusa heads) turns a state into draft tokens.
+
+    Why: the head is read at every draft step and costs as much as several layers of a small model;
+    scoring only the draft vocabulary's rows (``m2r2 draft-vocab``) cuts that in proportion, and
+    every other token gets -inf, so a draft is still a proper distribution and speculative sampling
+    stays exact. ``sub_head`` is the inference form: those rows with the base head's kernel.
+    """
+
+    base: Transformer
+    draft_vocab: Tensor | None
+    sub_head: nn.Module | None
+
+    def head_weight(self) -> Tensor:
+        """Rows of the LM head the draft scores (the draft vocabulary, else all), float32."""
+        w = self.base.lm_head.weight if isinstance(self.base.lm_head, nn.Linear) else dense_weight(self.base.lm_head)
+        return w if self.draft_vocab is None else w[self.draft_vocab.to(w.device)]
+
+    def build_draft_head(self) -> None:
+        head = self.base.lm_head
+        w = dense_weight(head)
+        rows = w if self.draft_vocab is None else w[self.draft_vocab.to(w.device)]
+        object.__setattr__(self, "sub_head", linear_like(head, rows))
+
+    def vocab_logits(self, f: Tensor) -> Tensor:
+        """``W . Norm(f)`` over the draft vocabulary only (``[..., len(draft_vocab)]``, float32)."""
+        if self.sub_head is None:
+            return F.linear(self.base.norm(f), self.head_weight().to(f.dtype)).float()
+        return self.sub_head(self.base.norm(f)).float()
+
+    def widen(self, sub: Tensor) -> Tensor:
+        """Draft-vocabulary logits as full-vocabulary ones (-inf outside the draft vocabulary)."""
+        if self.draft_vocab is None:
+            return sub
+        out = sub.new_full((*sub.shape[:-1], self.base.cfg.vocab_size), float("-inf"))
+        return out.index_copy_(-1, self.draft_vocab.to(sub.device), sub)
+
+    def top_of(self, sub: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """The ``k`` most probable token ids and their probabilities (``[..., k]``) of draft-vocabulary
+        logits: softmax and top-k over the draft vocabulary only (not a 49k row of -inf), same numbers."""
+        top = torch.softmax(sub, -1).topk(k, dim=-1)
+        ids = top.indices if self.draft_vocab is None else self.draft_vocab.to(sub.device)[top.indices]
+        return ids, top.values
+
+    def draft_logits(self, f: Tensor) -> Tensor:
+        """``W . Norm(f)`` over the whole vocabulary (float32; -inf outside the draft vocabulary)."""
+        return self.widen(self.vocab_logits(f))
+
+    def draft_top(self, f: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """Greedy drafting's ``k`` most probable next tokens and their draft probabilities (``[..., k]``)."""
+        return self.top_of(self.vocab_logits(f), k)
+
+
+class SeededFastStream(DraftHead, nn.Module):
     """Fuse + adapters + ARLA for a frozen base model held by reference (not a registered submodule)."""
 
     def __init__(self, base: Transformer, cfg: SeededConfig) -> None:
@@ -145,11 +199,6 @@ class SeededFastStream(nn.Module):
         if self.merged is not None:
             return self.merged[j], None
         return self.base.layers[self.cfg.layers[j]], self.adapters[j].lora()
-
-    def head_weight(self) -> Tensor:
-        """Rows of the LM head the draft scores (the draft vocabulary, else all), float32."""
-        w = self.base.lm_head.weight if isinstance(self.base.lm_head, nn.Linear) else dense_weight(self.base.lm_head)
-        return w if self.draft_vocab is None else w[self.draft_vocab.to(w.device)]
 
     # ---- training -------------------------------------------------------------------------------
     def forward_chain(self, tokens: Tensor, hidden: Tensor, k: Tensor, v: Tensor, steps: int) -> list[list[Tensor]]:
@@ -192,36 +241,13 @@ class SeededFastStream(nn.Module):
             ]
             head = self.base.lm_head  # its kernel (bf16 under q4) also serves the fuse: 4 bits would blur it
             self.fuse_infer = linear_like(head, self.fuse.weight.detach().float())
-            w = dense_weight(head)
-            rows = w if self.draft_vocab is None else w[self.draft_vocab.to(w.device)]
-            object.__setattr__(self, "sub_head", linear_like(head, rows))
+            self.build_draft_head()
         return self
 
     def train(self, mode: bool = True) -> SeededFastStream:
         if mode:
             self.merged, self.sub_head, self.fuse_infer = None, None, None
         return super().train(mode)
-
-    def draft_logits(self, f: Tensor) -> Tensor:
-        """``W . Norm(f)`` over the draft vocabulary (float32; -inf elsewhere, so sampling stays exact)."""
-        if self.sub_head is None:
-            return F.linear(self.base.norm(f), self.head_weight().to(f.dtype)).float()
-        sub = self.sub_head(self.base.norm(f)).float()
-        if self.draft_vocab is None:
-            return sub
-        out = sub.new_full((*sub.shape[:-1], self.base.cfg.vocab_size), float("-inf"))
-        return out.index_copy_(-1, self.draft_vocab.to(sub.device), sub)
-
-    def draft_top(self, f: Tensor, k: int) -> tuple[Tensor, Tensor]:
-        """Greedy drafting's ``k`` most probable next tokens and their draft probabilities (``[..., k]``).
-
-        Softmax and top-k run over the draft vocabulary only (not a 49k row of -inf): same numbers.
-        """
-        if self.sub_head is None or self.draft_vocab is None:
-            top = torch.softmax(self.draft_logits(f), -1).topk(k, dim=-1)
-            return top.indices, top.values
-        top = torch.softmax(self.sub_head(self.base.norm(f)).float(), -1).topk(k, dim=-1)
-        return self.draft_vocab.to(f.device)[top.indices], top.values
 
     def step(
         self,
