@@ -11,6 +11,8 @@ from m2r2.errors import InputError, SettingsError
 
 #: Distilled answers: written by ``m2r2 distill-data``, read by ``train``, ``train-mod``, ``draft-vocab``, ``moefy``.
 DEFAULT_ANSWERS = Path("runs/distill/answers.jsonl")
+#: Medusa heads: written by ``m2r2 train-medusa``, read by method ``medusa`` when none ship for the model.
+DEFAULT_MEDUSA = Path("runs/medusa/heads.safetensors")
 #: Training prompts shared by the project (relative to the repository root).
 DEFAULT_TRAIN_PROMPTS = Path("../shared/data/train/prompts.jsonl")
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+from torch import nn
 
 from m2r2 import weightfile
 from m2r2.errors import WeightsError
@@ -32,6 +33,7 @@ ADAPTERS = weightfile.Kind(
 )
 #: Optional tensor of an adapter file: the draft head's token ids (see ``FastStream.exit_logits``).
 DRAFT_VOCAB = "draft_vocab"
+M = TypeVar("M", bound=nn.Module)
 
 
 def tensor_fingerprint(model: Transformer) -> str:
@@ -43,6 +45,26 @@ def tensor_fingerprint(model: Transformer) -> str:
     return h.hexdigest()[:32]
 
 
+def weights_of(stream: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A drafter's tensors as a file holds them: its state in ``dtype`` and its draft vocabulary, if any."""
+    sd = {k: v.detach().to(dtype).contiguous() for k, v in stream.state_dict().items()}
+    if stream.draft_vocab is not None:
+        sd[DRAFT_VOCAB] = stream.draft_vocab.to(torch.int32).cpu().contiguous()
+    return sd
+
+
+def with_weights(stream: M, sd: dict[str, torch.Tensor], path: Path) -> M:
+    """``stream`` holding the tensors ``sd`` read from ``path`` (draft vocabulary included), if they fit its config."""
+    vocab = sd.pop(DRAFT_VOCAB, None)
+    expected = stream.state_dict()
+    if set(sd) != set(expected) or any(sd[k].shape != expected[k].shape for k in sd):
+        raise WeightsError(f"weights {path} do not match their config {stream.cfg.to_dict()}")
+    stream.load_state_dict({k: v.float() for k, v in sd.items()})
+    if vocab is not None:
+        stream.draft_vocab = check_vocab(vocab, stream.base.cfg.vocab_size, path)
+    return stream
+
+
 def save_adapters(
     path: Path,
     stream: FastStream | SeededFastStream,
@@ -51,9 +73,7 @@ def save_adapters(
     **info: Any,
 ) -> Path:
     """Write weights (in ``dtype``) then the JSON sidecar; ``info`` lands in the JSON (data, steps...)."""
-    sd = {k: v.detach().to(dtype).contiguous() for k, v in stream.state_dict().items()}
-    if stream.draft_vocab is not None:
-        sd[DRAFT_VOCAB] = stream.draft_vocab.to(torch.int32).cpu().contiguous()
+    sd = weights_of(stream, dtype)
     dtype_name = str(dtype).removeprefix("torch.")
     return weightfile.save(path, sd, ADAPTERS, fingerprint, VERSION, stream.cfg.to_dict(), dtype=dtype_name, **info)
 
@@ -76,15 +96,7 @@ def stream_for(model: Transformer, config: dict[str, Any]) -> FastStream | Seede
 def load_adapters(path: Path, model: Transformer, fingerprint: str) -> FastStream | SeededFastStream:
     """A :class:`FastStream` for ``model`` from an adapter file, after every check passes."""
     sd, meta = weightfile.load(path, ADAPTERS, fingerprint)
-    stream = stream_for(model, meta["config"])
-    vocab = sd.pop(DRAFT_VOCAB, None)
-    expected = stream.state_dict()
-    if set(sd) != set(expected) or any(sd[k].shape != expected[k].shape for k in sd):
-        raise WeightsError(f"adapter weights {path} do not match their config {meta['config']}")
-    stream.load_state_dict({k: v.float() for k, v in sd.items()})
-    if vocab is not None:
-        stream.draft_vocab = check_vocab(vocab, model.cfg.vocab_size, path)
-    return stream
+    return with_weights(stream_for(model, meta["config"]), sd, path)
 
 
 def check_vocab(ids: torch.Tensor, vocab_size: int, where: object) -> torch.Tensor:
