@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from m2r2.errors import InputError, M2R2Error, SettingsError
-from m2r2.paths import DEFAULT_ANSWERS, DEFAULT_TRAIN_PROMPTS
+from m2r2.paths import DEFAULT_ANSWERS, DEFAULT_MEDUSA, DEFAULT_TRAIN_PROMPTS
 
 if TYPE_CHECKING:  # types only: the CLI imports torch only for a command that runs
     from m2r2.decoding.base import GenerationConfig
@@ -99,6 +99,7 @@ def _add_gen_args(p: argparse.ArgumentParser) -> None:
         default=[],
         metavar="KEY=VALUE",
         help="method option, repeatable (m2r2: adapters=PATH, max_draft=8, stop_below=0.2, adaptive=false; "
+        "medusa: adapters=PATH (Medusa heads), max_nodes=8, width=2, branch=2; "
         "lookahead: window=5, ngram=4, candidates=5; hf-early-exit: exit_layer=10)",
     )
 
@@ -427,11 +428,13 @@ def cmd_train_mod(args: argparse.Namespace) -> int:
 
 
 def cmd_eval_align(args: argparse.Namespace) -> int:
+    from m2r2.decoding.medusa import is_heads_file
     from m2r2.multirate.io import adapter_kind, read_meta
     from m2r2.training.evaluate import eval_align, markdown
 
-    if args.adapters and adapter_kind(read_meta(Path(args.adapters))["config"]) == "seeded":
-        args.dtype, args.kernel = "fp32", "plain"  # the seeded report runs the training form in float32
+    path = Path(args.adapters) if args.adapters else None
+    if path and (is_heads_file(path) or adapter_kind(read_meta(path)["config"]) == "seeded"):
+        args.dtype, args.kernel = "fp32", "plain"  # seeded and Medusa reports run the training form in float32
     engine = _engine(args, quiet=args.json)
     rep = eval_align(
         engine,
@@ -445,7 +448,7 @@ def cmd_eval_align(args: argparse.Namespace) -> int:
         answers=Path(args.answers) if args.answers else None,
         merged=args.merged,
     )
-    print(json.dumps(rep, indent=2) if args.json or rep.get("kind") == "seeded" else markdown(rep))
+    print(json.dumps(rep, indent=2) if args.json or "agree_per_draft_position" in rep else markdown(rep))
     return 0
 
 
@@ -662,7 +665,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-new-tokens", type=int, default=128, help="answer length (default 128)")
     e.add_argument("--batch", type=int, default=8, help="prompts answered together (default 8)")
     e.add_argument("--block", type=int, default=1, help="draft block length emulated (default 1)")
-    e.add_argument("--adapters", default=None, help="adapter .safetensors (default: the shipped ones)")
+    e.add_argument(
+        "--adapters", default=None, help="adapter or Medusa heads .safetensors (default: the shipped adapters)"
+    )
     e.add_argument("--answers", default=None, help="JSONL to save the base model's answers to, or reuse them from")
     e.add_argument(
         "--merged",
@@ -734,30 +739,48 @@ def _add_seeded_commands(sub: argparse._SubParsersAction) -> None:
         "store`, with train-time drafting chains. Writes DIR/adapters.safetensors (+ .json); use it with "
         "`--option adapters=DIR/adapters.safetensors` or copy it into src/m2r2/adapters/ to ship it.",
     )
-    ts.add_argument("--store", default="runs/store", help="training store dirs, comma-separated")
-    ts.add_argument("--out", default="runs/seeded", help="checkpoint and adapter directory (default runs/seeded)")
+    init = "seeded adapters to start from (e.g. before the store grew)"
+    _add_store_train_args(ts, "runs/seeded", "adapter", 2e-3, init)
     ts.add_argument("--depth", type=int, default=1, help="fast layers K: the last K base layers (default 1)")
     ts.add_argument("--rank", type=int, default=32, help="adapter rank (default 32)")
     ts.add_argument("--chain", type=int, default=3, help="draft steps trained per position (default 3)")
-    ts.add_argument("--steps", type=int, default=100000, help="maximum optimizer steps")
-    ts.add_argument("--minutes", type=float, default=0.0, help="wall-clock budget in minutes (0 = none)")
-    ts.add_argument("--batch", type=int, default=16, help="sequences per step (default 16)")
-    ts.add_argument("--lr", type=float, default=2e-3, help="AdamW learning rate (default 2e-3)")
-    ts.add_argument("--holdout", type=int, default=48, help="store sequences kept out for validation")
-    ts.add_argument("--seed", type=int, default=0)
-    ts.add_argument("--warmup", type=int, default=20, help="linear warm-up steps (default 20)")
-    ts.add_argument("--resume", action="store_true", help="continue from --out/checkpoint.pt")
-    ts.add_argument("--init", default=None, help="seeded adapters to start from (e.g. before the store grew)")
-    ts.add_argument(
+    ts.set_defaults(func=cmd_train_seeded)
+
+    tmd = sub.add_parser(
+        "train-medusa",
+        help="train Medusa-1 heads (the `medusa` baseline, drafts token trees) from a training store",
+        description="Trains n Medusa-1 heads (a residual SiLU block each; the frozen base norm and LM head over "
+        "the draft vocabulary) on a store from `m2r2 store`, with the loop, checkpoints and resume of "
+        f"train-seeded. Writes DIR/heads.safetensors (+ .json); `--method medusa` reads {DEFAULT_MEDUSA} by "
+        "default (or `--option adapters=PATH`).",
+    )
+    _add_store_train_args(tmd, str(DEFAULT_MEDUSA.parent), "heads", 1e-3, "Medusa heads to start from")
+    tmd.add_argument("--heads", type=int, default=4, help="heads: draft depths (default 4)")
+    tmd.set_defaults(func=cmd_train_medusa)
+
+
+def _add_store_train_args(p: argparse.ArgumentParser, out: str, what: str, lr: float, init: str) -> None:
+    """The flags every drafter trained from a store shares (``train-seeded``, ``train-medusa``)."""
+    p.add_argument("--store", default="runs/store", help="training store dirs, comma-separated")
+    p.add_argument("--out", default=out, help=f"checkpoint and {what} directory (default {out})")
+    p.add_argument("--steps", type=int, default=100000, help="maximum optimizer steps")
+    p.add_argument("--minutes", type=float, default=0.0, help="wall-clock budget in minutes (0 = none)")
+    p.add_argument("--batch", type=int, default=16, help="sequences per step (default 16)")
+    p.add_argument("--lr", type=float, default=lr, help=f"AdamW learning rate (default {lr:g})")
+    p.add_argument("--holdout", type=int, default=48, help="store sequences kept out for validation")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=20, help="linear warm-up steps (default 20)")
+    p.add_argument("--resume", action="store_true", help="continue from --out/checkpoint.pt")
+    p.add_argument("--init", default=None, help=init)
+    p.add_argument(
         "--bf16",
         action="store_true",
-        help="bf16 autocast for the fast stream's matmuls (float32 weights and optimizer): several times "
+        help="bf16 autocast for the drafter's matmuls (float32 weights and optimizer): several times "
         "faster on CPUs with AMX, see docs/TRAINING.md",
     )
-    ts.add_argument("--draft-vocab", default=None, help="adapter file whose draft vocabulary to use (default: shipped)")
-    ts.add_argument("--model", default=os.environ.get("M2R2_MODEL"), help="base model (default smollm2-135m)")
-    ts.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    ts.set_defaults(func=cmd_train_seeded)
+    p.add_argument("--draft-vocab", default=None, help="adapter file whose draft vocabulary to use (default: shipped)")
+    p.add_argument("--model", default=os.environ.get("M2R2_MODEL"), help="base model (default smollm2-135m)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
 
 def _default_conversations() -> Path:
@@ -807,21 +830,26 @@ def cmd_store(args: argparse.Namespace) -> int:
 
 
 def cmd_train_seeded(args: argparse.Namespace) -> int:
+    return _train_from_store(args, "seeded")
+
+
+def cmd_train_medusa(args: argparse.Namespace) -> int:
+    return _train_from_store(args, "medusa")
+
+
+def _train_from_store(args: argparse.Namespace, kind: str) -> int:
     from tqdm import tqdm
 
     from m2r2.engine import Engine
     from m2r2.multirate.io import bundled_adapters, load_adapters
-    from m2r2.training.seeded_train import SeededTrainSettings, train_seeded
+    from m2r2.training import seeded_train as st
 
     engine = Engine(args.model, dtype="fp32", threads=args.threads)
     src = Path(args.draft_vocab) if args.draft_vocab else bundled_adapters(engine.fingerprint, "prefix")
     vocab = load_adapters(src, engine.model, engine.fingerprint).draft_vocab if src else None
-    s = SeededTrainSettings(
+    common = dict(
         store=Path(args.store),
         out=Path(args.out),
-        depth=args.depth,
-        rank=args.rank,
-        chain=args.chain,
         steps=args.steps,
         minutes=args.minutes,
         batch=args.batch,
@@ -834,16 +862,22 @@ def cmd_train_seeded(args: argparse.Namespace) -> int:
         bf16=args.bf16,
         info={"base_model": str(args.model or "smollm2-135m")},
     )
-    bar = tqdm(desc="train-seeded", unit="step", file=sys.stderr)
+    if kind == "seeded":
+        s = st.SeededTrainSettings(**common, depth=args.depth, rank=args.rank, chain=args.chain)
+        train, name = st.train_seeded, "adapters"
+    else:
+        s = st.MedusaTrainSettings(**common, heads=args.heads)
+        train, name = st.train_medusa, "heads"
+    bar = tqdm(desc=f"train-{kind}", unit="step", file=sys.stderr)
 
     def log(d: dict) -> None:
         bar.update(1)
         bar.set_postfix(ce=f"{d['ce']:.3f}", agree="/".join(f"{a:.2f}" for a in d["agree"]), tok_s=f"{d['tok_s']:.0f}")
 
-    train_seeded(engine.model, engine.fingerprint, s, vocab, log)
+    train(engine.model, engine.fingerprint, s, vocab, log)  # type: ignore[arg-type]
     bar.close()
-    meta = json.loads((Path(args.out) / "adapters.json").read_text())
-    print(json.dumps({"adapters": str(Path(args.out) / "adapters.safetensors"), "validation": meta["validation"]}))
+    meta = json.loads((Path(args.out) / f"{name}.json").read_text())
+    print(json.dumps({name: str(Path(args.out) / f"{name}.safetensors"), "validation": meta["validation"]}))
     return 0
 
 

@@ -164,13 +164,19 @@ def eval_align(
 
     ``answers`` keeps those answers (JSONL) so that several adapters are compared on the same ones.
     """
+    from m2r2.decoding.medusa import is_heads_file, load_heads
     from m2r2.multirate.io import load_default
     from m2r2.multirate.seeded import SeededFastStream
     from m2r2.training.distill import generate_batch
+    from m2r2.training.seeded_train import held_out_agreement, medusa_trainee, seeded_trainee
 
-    stream = load_default(engine.model, engine.fingerprint, adapters)
-    seeded = isinstance(stream, SeededFastStream)
-    if not seeded:
+    if adapters is not None and is_heads_file(adapters):
+        stream = load_heads(adapters, engine.model, engine.fingerprint)
+        trainee = medusa_trainee(stream)
+    else:
+        stream = load_default(engine.model, engine.fingerprint, adapters)
+        trainee = seeded_trainee(stream, chain=4) if isinstance(stream, SeededFastStream) else None
+    if trainee is None:
         stream.to(engine.model.device).freeze(merge=merged)
     prompts = eval_prompts(dataset, eval_root, limit)
     ids = [engine.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in prompts]
@@ -185,12 +191,11 @@ def eval_align(
             records += [{"prompt_ids": p, "answer_ids": a} for p, a in zip(ids[i : i + batch], out, strict=True)]
         if answers is not None and not answers.is_file():
             atomic_text(answers, "".join(json.dumps(r) + "\n" for r in records))
-        if seeded:  # per draft position, the training form (float32) over the same answers
-            from m2r2.training.seeded_train import held_out_agreement
-
+        if trainee is not None:  # per draft position, the training form (float32) over the same answers
             seqs = [(r["prompt_ids"] + r["answer_ids"], len(r["prompt_ids"])) for r in records]
-            agree = held_out_agreement(engine.model, stream, seqs, chain=4)
-            rep = {"kind": "seeded", "layers": stream.cfg.layers, "agree_per_draft_position": agree}
+            agree = held_out_agreement(engine.model, trainee, seqs)
+            rep = {"kind": stream.cfg.kind, "agree_per_draft_position": agree}
+            rep |= {"layers": stream.cfg.layers} if isinstance(stream, SeededFastStream) else {}
         else:
             rep = align_report(stream, records, block=block)
     rep["dataset"], rep["prompts"] = dataset, len(prompts)

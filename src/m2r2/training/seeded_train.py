@@ -1,18 +1,26 @@
-"""Training the seeded fast stream from a training store (base model never run during training).
+"""Training drafters from a training store (base model never run during training): the seeded fast
+stream and, on the same loop, Medusa heads (:mod:`m2r2.decoding.medusa`).
 
-Per step: a batch of whole sequences from the store (their slow ``h_N`` and the slow K/V of the fast
-layers' base layers); the fast stream drafts ``chain`` steps at every position at once
-(:meth:`SeededFastStream.forward_chain`: step s is seeded by step s-1's own state, so drafts 2..s see
-at training what they see at inference). Losses at every valid position and step:
+One loop (:func:`train_on_store`) serves both: data, batching, schedule, checkpoints, resume and
+validation are shared; a :class:`Trainee` brings the module, its losses and its file. Targets are
+always the full model's distribution ``p_N(p) = softmax(W . Norm(h_N(p)))`` over the draft vocabulary
+(the store holds ``h_N``, so a target costs one draft-vocabulary head).
 
-* ``CE(p_N, q)`` over the draft vocabulary, ``p_N = softmax(W . Norm(h_N(p)))`` the full model's
-  distribution (the store holds ``h_N``, so the target costs one draft-vocabulary head);
+Seeded fast stream, per step: a batch of whole sequences from the store (their slow ``h_N`` and the
+slow K/V of the fast layers' base layers); the fast stream drafts ``chain`` steps at every position
+at once (:meth:`SeededFastStream.forward_chain`: step s is seeded by step s-1's own state, so drafts
+2..s see at training what they see at inference). Losses at every valid position and step:
+
+* ``CE(p_N, q)`` over the draft vocabulary;
 * alignment: smooth-L1 of ``(f_K - h_N(p)) / rms(h_N(p))`` (the fast state should *be* the slow one);
 * ARLA: BCE on detached states, label = the draft's top-1 equals the full model's top-1.
 
+Medusa heads: head i at position t drafts the token after position ``t + i`` from ``h_N(t)`` alone;
+loss ``CE(p_N(t + i), q_i(t))`` averaged over heads (the store's K/V is not even read).
+
 Data order is a function of ``(seed, step)``; checkpoints are atomic and a resumed run continues
-bit-for-bit on the same store. Validation agreement per draft step is measured on store sequences
-held out of training (the last ``holdout`` sequences of the first shard).
+bit-for-bit on the same store. Validation agreement per draft step (or head) is measured on store
+sequences held out of training (the first ``holdout`` sequences of the first store).
 """
 
 from __future__ import annotations
@@ -26,8 +34,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
+from m2r2.decoding.medusa import MedusaConfig, MedusaHeads
 from m2r2.errors import SettingsError
 from m2r2.model import Transformer
 from m2r2.multirate.seeded import SeededConfig, SeededFastStream
@@ -36,25 +45,22 @@ from m2r2.training.store import TrainStore, store_digest
 
 
 @dataclass
-class SeededTrainSettings:
+class StoreTrainSettings:
+    """What every drafter trained from a store shares (data, schedule, checkpoints)."""
+
     store: Path
     out: Path
-    depth: int = 1
-    rank: int = 32
     steps: int = 100000
     minutes: float = 0.0
     batch: int = 16  # sequences per step
-    chain: int = 3  # draft steps trained at each position (train-time drafting)
     lr: float = 2e-3
     warmup: int = 20
-    align_w: float = 0.5
-    arla_w: float = 0.1
     seed: int = 0
     ckpt_minutes: float = 5.0
     resume: bool = False
     holdout: int = 48
-    #: bf16 autocast for the fast stream's matmuls (parameters and optimizer stay float32): on a CPU
-    #: with AMX the step runs several times faster (docs/TRAINING.md); off = float32 throughout
+    #: bf16 autocast for the drafter's matmuls (parameters and optimizer stay float32): on a CPU with
+    #: AMX the step runs several times faster (docs/TRAINING.md); off = float32 throughout
     bf16: bool = False
     #: adapters to start from (an earlier run's, e.g. before the store grew): matching tensors are copied
     init: str | None = None
@@ -66,57 +72,147 @@ class SeededTrainSettings:
         return d
 
 
+@dataclass
+class SeededTrainSettings(StoreTrainSettings):
+    depth: int = 1
+    rank: int = 32
+    chain: int = 3  # draft steps trained at each position (train-time drafting)
+    align_w: float = 0.5
+    arla_w: float = 0.1
+
+
+@dataclass
+class MedusaTrainSettings(StoreTrainSettings):
+    heads: int = 4
+    lr: float = 1e-3
+
+
+@dataclass
+class Trainee:
+    """One kind of drafter trained by :func:`train_on_store`: what it adds to the shared loop."""
+
+    module: nn.Module  # trained and saved; has ``cfg`` (``to_dict``) and ``draft_vocab``
+    #: batch -> ``loss`` (to minimise), ``agree``/``counts`` (top-1 agreement and positions per draft
+    #: step or head) and any other scalar tensors to log
+    losses: Callable[[dict[str, Tensor]], dict[str, Any]]
+    save: Callable[..., Path]  # (path, fingerprint, **info): the module's file
+    load: Callable[[Path, str], nn.Module]  # (path, fingerprint): a file of this kind (--init)
+    file: str = "adapters.safetensors"  # written into --out
+    kv_layers: list[int] = field(default_factory=list)  # base layers whose slow K/V each batch carries
+
+
 def pad_batch(seqs: list[dict[str, Tensor]], depth: int) -> dict[str, Tensor]:
-    """Right-pad store sequences to one length; ``valid`` marks real positions."""
+    """Right-pad store sequences to one length; ``valid`` marks real positions; K/V of the last ``depth``
+    stored layers (none for 0)."""
     t = max(len(s["tokens"]) for s in seqs)
     b = len(seqs)
     tokens = torch.zeros(b, t, dtype=torch.long)
     valid = torch.zeros(b, t, dtype=torch.bool)
     d = seqs[0]["hidden"].shape[-1]
     hidden = torch.zeros(b, t, d)
-    kv_shape = seqs[0]["k"].shape  # [L, n, KVH, D]
-    k = torch.zeros(depth, b, kv_shape[2], t, kv_shape[3])
-    v = torch.zeros_like(k)
+    out = {"tokens": tokens, "valid": valid, "hidden": hidden}
+    if depth:
+        kv_shape = seqs[0]["k"].shape  # [L, n, KVH, D]
+        out["k"] = torch.zeros(depth, b, kv_shape[2], t, kv_shape[3])
+        out["v"] = torch.zeros_like(out["k"])
     for i, s in enumerate(seqs):
         n = len(s["tokens"])
         tokens[i, :n], valid[i, :n] = s["tokens"], True
         hidden[i, :n] = s["hidden"].float()
-        k[:, i, :, :n] = s["k"][-depth:].float().transpose(1, 2)
-        v[:, i, :, :n] = s["v"][-depth:].float().transpose(1, 2)
-    return {"tokens": tokens, "valid": valid, "hidden": hidden, "k": k, "v": v}
+        if depth:
+            out["k"][:, i, :, :n] = s["k"][-depth:].float().transpose(1, 2)
+            out["v"][:, i, :, :n] = s["v"][-depth:].float().transpose(1, 2)
+    return out
+
+
+def _mean(x: Tensor, m: Tensor) -> Tensor:
+    """Mean of ``x`` over the mask ``m`` (0 where ``m`` is empty: no position to learn from)."""
+    return x[m].sum() / max(int(m.sum()), 1)
+
+
+def _targets(module: nn.Module, hidden: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The draft-vocabulary head rows and the full model's distribution and top-1 at every position."""
+    w = module.head_weight().float()
+    with torch.no_grad():
+        target = F.linear(module.base.norm(hidden), w)
+    return w, target.softmax(-1), target.argmax(-1)
 
 
 def chain_losses(stream: SeededFastStream, batch: dict[str, Tensor], chain: int) -> dict[str, Any]:
     """Losses and per-step top-1 agreement (over the draft vocabulary) of one batch."""
     hidden, valid = batch["hidden"], batch["valid"]
-    w = stream.head_weight().float()
-    with torch.no_grad():
-        target = F.linear(stream.base.norm(hidden), w)
-        p = target.softmax(-1)
-        top = target.argmax(-1)
+    w, p, top = _targets(stream, hidden)
     out = stream.forward_chain(batch["tokens"], hidden, batch["k"], batch["v"], chain)
     pos = torch.arange(hidden.shape[1])
     rms = hidden.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-3)
     ce = align = arla = torch.zeros(())
-    agree = []
+    agree, counts = [], []
     for s, states in enumerate(out, start=1):
         m = valid & (pos >= s)[None, :]
         f = states[-1]
         logits = F.linear(stream.base.norm(f), w)
-        ce = ce + (-(p * logits.log_softmax(-1)).sum(-1))[m].mean()
-        align = align + F.smooth_l1_loss((f - hidden) / rms, torch.zeros_like(f), reduction="none").mean(-1)[m].mean()
+        ce = ce + _mean(-(p * logits.log_softmax(-1)).sum(-1), m)
+        align = align + _mean(F.smooth_l1_loss((f - hidden) / rms, torch.zeros_like(f), reduction="none").mean(-1), m)
         hit = logits.argmax(-1) == top
-        agree.append(float(hit[m].float().mean()))
+        counts.append(int(m.sum()))
+        agree.append(int(hit[m].sum()) / max(counts[-1], 1))
         z = stream.arla([x.detach() for x in states], stream.cfg.depth)
         arla = arla + F.binary_cross_entropy_with_logits(z[m], hit[m].float())
-    return {"ce": ce / chain, "align": align / chain, "arla": arla / chain, "agree": agree}
+    return {"ce": ce / chain, "align": align / chain, "arla": arla / chain, "agree": agree, "counts": counts}
 
 
-def _lr(step: int, s: SeededTrainSettings) -> float:
+def medusa_losses(heads: MedusaHeads, batch: dict[str, Tensor]) -> dict[str, Any]:
+    """CE of each head against the full model's distribution ``i`` positions later, and its agreement."""
+    hidden, valid = batch["hidden"], batch["valid"]
+    w, p, top = _targets(heads, hidden)
+    t = hidden.shape[1]
+    ce = torch.zeros(())
+    agree, counts = [], []
+    for i in range(heads.cfg.heads):
+        off = i + 1  # head i at position t predicts what the full model predicts at t + off
+        n = max(t - off, 0)
+        m = valid[:, :n] & valid[:, off:]
+        logits = F.linear(heads.base.norm(heads.state(hidden[:, :n], i)), w)
+        ce = ce + _mean(-(p[:, off:] * logits.log_softmax(-1)).sum(-1), m)
+        counts.append(int(m.sum()))
+        agree.append(int(((logits.argmax(-1) == top[:, off:]) & m).sum()) / max(counts[-1], 1))
+    ce = ce / heads.cfg.heads
+    return {"loss": ce, "ce": ce, "agree": agree, "counts": counts}
+
+
+def _lr(step: int, s: StoreTrainSettings) -> float:
     if step < s.warmup:
         return s.lr * (step + 1) / s.warmup
     frac = min(1.0, (step - s.warmup) / max(1, s.steps - s.warmup))
     return s.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def seeded_trainee(stream: SeededFastStream, chain: int, align_w: float = 0.5, arla_w: float = 0.1) -> Trainee:
+    from m2r2.multirate.io import load_adapters, save_adapters
+
+    def losses(batch: dict[str, Tensor]) -> dict[str, Any]:
+        out = chain_losses(stream, batch, chain)
+        return {"loss": out["ce"] + align_w * out["align"] + arla_w * out["arla"], **out}
+
+    return Trainee(
+        stream,
+        losses,
+        lambda path, fp, **info: save_adapters(path, stream, fp, torch.bfloat16, **info),
+        lambda path, fp: load_adapters(path, stream.base, fp),
+        kv_layers=stream.cfg.layers,
+    )
+
+
+def medusa_trainee(heads: MedusaHeads) -> Trainee:
+    from m2r2.decoding.medusa import load_heads, save_heads
+
+    return Trainee(
+        heads,
+        lambda batch: medusa_losses(heads, batch),
+        lambda path, fp, **info: save_heads(path, heads, fp, torch.bfloat16, **info),
+        lambda path, fp: load_heads(path, heads.base, fp),
+        file="heads.safetensors",
+    )
 
 
 def train_seeded(
@@ -127,25 +223,48 @@ def train_seeded(
     log: Callable[[dict[str, Any]], None] | None = None,
 ) -> SeededFastStream:
     """Train (or resume) a seeded fast stream on the store at ``s.store``; writes checkpoints and adapters."""
-    from m2r2.multirate.io import save_adapters
-
-    if s.chain < 1 or s.batch < 1 or s.depth < 1:
-        raise SettingsError("chain, batch and depth must be >= 1")
-    if base.dtype != torch.float32:
-        raise SettingsError("train the seeded fast stream on the float32 model (--dtype fp32)")
-    stores = [TrainStore(Path(p), fingerprint) for p in str(s.store).split(",")]
-    cfg = SeededConfig.build(base.cfg.num_layers, s.depth, s.rank)
-    for store in stores:
-        if store.kv_layers[-s.depth :] != cfg.layers:
-            raise SettingsError(f"store {store.root} holds K/V of layers {store.kv_layers}, not of {cfg.layers}")
-    stream = SeededFastStream(base, cfg)
+    if s.chain < 1 or s.depth < 1:
+        raise SettingsError("chain and depth must be >= 1")
+    stream = SeededFastStream(base, SeededConfig.build(base.cfg.num_layers, s.depth, s.rank))
     stream.draft_vocab = draft_vocab
-    seqs = [[q for i in range(len(st.shards)) for q in st.sequences(st.load_shard(i))] for st in stores]
+    train_on_store(fingerprint, s, seeded_trainee(stream, s.chain, s.align_w, s.arla_w), log)
+    return stream
+
+
+def train_medusa(
+    base: Transformer,
+    fingerprint: str,
+    s: MedusaTrainSettings,
+    draft_vocab: Tensor | None,
+    log: Callable[[dict[str, Any]], None] | None = None,
+) -> MedusaHeads:
+    """Train (or resume) Medusa heads on the store at ``s.store``; writes checkpoints and ``heads.safetensors``."""
+    heads = MedusaHeads(base, MedusaConfig.build(base.cfg.hidden_size, s.heads))
+    heads.draft_vocab = draft_vocab
+    train_on_store(fingerprint, s, medusa_trainee(heads), log)
+    return heads
+
+
+def train_on_store(
+    fingerprint: str, s: StoreTrainSettings, t: Trainee, log: Callable[[dict[str, Any]], None] | None = None
+) -> nn.Module:
+    """The training loop every store-trained drafter shares: writes checkpoints and ``--out/t.file``."""
+    module, cfg = t.module, t.module.cfg
+    if s.batch < 1:
+        raise SettingsError("batch must be >= 1")
+    if module.base.dtype != torch.float32:
+        raise SettingsError("train drafters on the float32 model (--dtype fp32)")
+    stores = [TrainStore(Path(p), fingerprint) for p in str(s.store).split(",")]
+    depth = len(t.kv_layers)
+    for store in stores:
+        if depth and store.kv_layers[-depth:] != t.kv_layers:
+            raise SettingsError(f"store {store.root} holds K/V of layers {store.kv_layers}, not of {t.kv_layers}")
+    seqs = [[q for i in range(len(st.shards)) for q in st.sequences(st.load_shard(i, kv=depth > 0))] for st in stores]
     held = seqs[0][: s.holdout]  # validation: the first store's first sequences
     train = seqs[0][s.holdout :] + [q for more in seqs[1:] for q in more]
     if not train:
         raise SettingsError(f"the stores hold no sequences beyond --holdout {s.holdout}")
-    params = [p for p in stream.parameters() if p.requires_grad]
+    params = [p for p in module.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=s.lr, weight_decay=0.0)
     ckpt = Path(s.out) / "checkpoint.pt"
     digest = "+".join(store_digest(st.root) for st in stores)
@@ -156,15 +275,13 @@ def train_seeded(
     }
     step = 0
     if s.init and not s.resume:
-        from m2r2.multirate.io import load_adapters
-
-        start = load_adapters(Path(s.init), base, fingerprint)
-        if not isinstance(start, SeededFastStream) or start.cfg != cfg:
-            raise SettingsError(f"--init {s.init} is not a seeded fast stream of this shape ({cfg.to_dict()})")
-        stream.load_state_dict(start.state_dict())
+        start = t.load(Path(s.init), fingerprint)
+        if type(start) is not type(module) or start.cfg != cfg:
+            raise SettingsError(f"--init {s.init} is not a {type(module).__name__} of this shape ({cfg.to_dict()})")
+        module.load_state_dict(start.state_dict())
     if s.resume:
         state = load_checkpoint(ckpt, fingerprint, cfg.to_dict(), traj, digest)
-        stream.load_state_dict(state["stream"])
+        module.load_state_dict(state["stream"])
         opt.load_state_dict(state["optim"])
         step = int(state["step"])
 
@@ -172,7 +289,7 @@ def train_seeded(
         save_checkpoint(
             ckpt,
             {
-                "stream": stream.state_dict(),
+                "stream": module.state_dict(),
                 "optim": opt.state_dict(),
                 "step": step,
                 "fingerprint": fingerprint,
@@ -185,30 +302,28 @@ def train_seeded(
     t0 = last_ckpt = time.perf_counter()
     per_epoch = max(1, len(train) // s.batch)
     seen = 0
-    stream.train()
+    module.train()
     while step < s.steps and not (s.minutes and time.perf_counter() - t0 > s.minutes * 60):
         epoch, k = divmod(step, per_epoch)
         order = torch.randperm(len(train), generator=torch.Generator().manual_seed(s.seed * 100003 + epoch))
-        batch = pad_batch([train[i] for i in order[k * s.batch : (k + 1) * s.batch].tolist()], s.depth)
+        batch = pad_batch([train[i] for i in order[k * s.batch : (k + 1) * s.batch].tolist()], depth)
         for g in opt.param_groups:
             g["lr"] = _lr(step, s)
-        with torch.autocast(base.device.type, dtype=torch.bfloat16, enabled=s.bf16):
-            out = chain_losses(stream, batch, s.chain)
-        loss = out["ce"] + s.align_w * out["align"] + s.arla_w * out["arla"]
+        with torch.autocast(module.base.device.type, dtype=torch.bfloat16, enabled=s.bf16):
+            out = t.losses(batch)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        out["loss"].backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         step += 1
         seen += int(batch["valid"].sum())
         if log is not None:
+            scalars = {name: float(v.detach()) for name, v in out.items() if isinstance(v, Tensor)}  # the losses
             log(
                 {
                     "step": step,
                     "epoch": epoch,
-                    "ce": float(out["ce"]),
-                    "align": float(out["align"]),
-                    "arla": float(out["arla"]),
+                    **scalars,
                     "agree": out["agree"],
                     "tokens": seen,
                     "tok_s": seen / (time.perf_counter() - t0),
@@ -218,13 +333,11 @@ def train_seeded(
             save(step)
             last_ckpt = time.perf_counter()
     save(step)
-    val = evaluate_chain(stream, held, s.depth, s.chain)
-    stream.eval()
-    save_adapters(
-        Path(s.out) / "adapters.safetensors",
-        stream,
+    val = agreement(t, held)
+    module.eval()
+    t.save(
+        Path(s.out) / t.file,
         fingerprint,
-        torch.bfloat16,
         train={
             **s.to_dict(),
             "steps_done": step,
@@ -236,31 +349,28 @@ def train_seeded(
         validation={"agree_per_step": val, "sequences": len(held)},
         **s.info,
     )
-    return stream
+    return module
 
 
 @torch.no_grad()
-def evaluate_chain(
-    stream: SeededFastStream, seqs: list[dict[str, Tensor]], depth: int, chain: int, starts: list[int] | None = None
-) -> list[float]:
-    """Top-1 agreement with the full model at draft steps 1..chain on ``seqs`` (token-weighted);
+def agreement(t: Trainee, seqs: list[dict[str, Tensor]], starts: list[int] | None = None) -> list[float]:
+    """Top-1 agreement with the full model per draft step (or head) on ``seqs`` (token-weighted);
     with ``starts``, only positions from each sequence's answer start on count."""
-    was = stream.training
-    stream.eval()
-    hits = [0.0] * chain
-    total = [0] * chain
+    was = t.module.training
+    t.module.eval()
+    hits: list[float] = []
+    total: list[int] = []
     for i in range(0, len(seqs), 16):
-        batch = pad_batch(seqs[i : i + 16], depth)
+        batch = pad_batch(seqs[i : i + 16], len(t.kv_layers))
         for j, start in enumerate((starts or [])[i : i + 16]):
             batch["valid"][j, :start] = False  # the prompt is not drafted
-        out = chain_losses(stream, batch, chain)
-        pos = torch.arange(batch["tokens"].shape[1])
-        for s, a in enumerate(out["agree"]):
-            n = int((batch["valid"] & (pos >= s + 1)[None, :]).sum())
+        out = t.losses(batch)
+        hits, total = hits or [0.0] * len(out["agree"]), total or [0] * len(out["agree"])
+        for s, (a, n) in enumerate(zip(out["agree"], out["counts"], strict=True)):
             hits[s] += a * n
             total[s] += n
-    stream.train(was)
-    return [h / max(t, 1) for h, t in zip(hits, total, strict=True)]
+    t.module.train(was)
+    return [h / max(n, 1) for h, n in zip(hits, total, strict=True)]
 
 
 @torch.no_grad()
@@ -272,13 +382,11 @@ def answers_store(base: Transformer, answers: list[list[int]], depth: int) -> li
     return [r for seq in answers for r in slow_pass(base, [seq], list(range(n - depth, n)))]
 
 
-def held_out_agreement(
-    base: Transformer, stream: SeededFastStream, sequences: list[tuple[list[int], int]], chain: int
-) -> list[float]:
-    """Agreement at draft steps 1..chain on the answer part of ``(tokens, answer_start)`` sequences.
+def held_out_agreement(base: Transformer, t: Trainee, sequences: list[tuple[list[int], int]]) -> list[float]:
+    """Agreement per draft position on the answer part of ``(tokens, answer_start)`` sequences.
 
     Used with the base model's own greedy answers to eval prompts that training never saw: the
     acceptance proxy the speculative loop sees, per draft position.
     """
-    rows = answers_store(base, [t for t, _ in sequences], stream.cfg.depth)
-    return evaluate_chain(stream, rows, stream.cfg.depth, chain, [start for _, start in sequences])
+    rows = answers_store(base, [toks for toks, _ in sequences], len(t.kv_layers))
+    return agreement(t, rows, [start for _, start in sequences])

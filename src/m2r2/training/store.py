@@ -151,7 +151,9 @@ class TrainStore:
     def kv_layers(self) -> list[int]:
         return [int(i) for i in self.manifest["kv_layer_ids"]]
 
-    def load_shard(self, i: int, verify: bool = True) -> dict[str, Tensor]:
+    def load_shard(self, i: int, verify: bool = True, kv: bool = True) -> dict[str, Tensor]:
+        """Shard ``i``'s tensors; without ``kv`` its K/V are not read (most of a shard's bytes: a drafter
+        that reads only ``h_N``, Medusa heads, fits a ~4x larger store in memory)."""
         meta = self.shards[i]
         path = self.root / meta["file"]
         if not path.is_file():
@@ -160,19 +162,15 @@ class TrainStore:
             raise WeightsError(f"training store shard {path} is corrupt (checksum mismatch); delete it and rebuild")
         try:
             with safe_open(str(path), framework="pt") as fh:
-                return {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118
+                return {k: fh.get_tensor(k) for k in fh.keys() if kv or k not in ("k", "v")}  # noqa: SIM118
         except (SafetensorError, OSError, RuntimeError) as e:
             raise WeightsError(f"training store shard {path} is corrupt: {e}") from e
 
     def sequences(self, shard: dict[str, Tensor]) -> Iterator[dict[str, Tensor]]:
         off = shard["offsets"].tolist()
         for a, b in itertools.pairwise(off):
-            yield {
-                "tokens": shard["tokens"][a:b].long(),
-                "hidden": shard["hidden"][a:b],
-                "k": shard["k"][:, a:b],
-                "v": shard["v"][:, a:b],
-            }
+            seq = {"tokens": shard["tokens"][a:b].long(), "hidden": shard["hidden"][a:b]}
+            yield seq | {kv: shard[kv][:, a:b] for kv in ("k", "v") if kv in shard}
 
 
 def _empty_manifest(fingerprint: str, s: StoreSettings, data_hash: str, model: Transformer) -> dict[str, Any]:
