@@ -62,7 +62,7 @@ def _add_train_args(
     p.add_argument("--minutes", type=float, default=0.0, help="wall-clock budget in minutes (0 = none)")
     p.add_argument("--batch", type=int, default=4, help="sequences per step over all processes (default 4)")
     p.add_argument("--max-len", type=int, default=max_len, help=f"tokens per sequence (default {max_len})")
-    p.add_argument("--lr", type=float, default=lr, help=f"AdamW learning rate (default {lr:g})")
+    p.add_argument("--lr", type=float, default=2e-3, help="AdamW learning rate (default 2e-3)")
     p.add_argument("--warmup", type=int, default=warmup, help=f"linear warm-up steps (default {warmup})")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ckpt-minutes", type=float, default=5.0, help="checkpoint interval (default 5 minutes)")
@@ -740,7 +740,7 @@ def _add_seeded_commands(sub: argparse._SubParsersAction) -> None:
         "`--option adapters=DIR/adapters.safetensors` or copy it into src/m2r2/adapters/ to ship it.",
     )
     init = "seeded adapters to start from (e.g. before the store grew)"
-    _add_store_train_args(ts, "runs/seeded", "adapter", 2e-3, init)
+    _add_store_train_args(ts, "runs/seeded", "adapter", init)
     ts.add_argument("--depth", type=int, default=1, help="fast layers K: the last K base layers (default 1)")
     ts.add_argument("--rank", type=int, default=32, help="adapter rank (default 32)")
     ts.add_argument("--chain", type=int, default=3, help="draft steps trained per position (default 3)")
@@ -754,19 +754,19 @@ def _add_seeded_commands(sub: argparse._SubParsersAction) -> None:
         f"train-seeded. Writes DIR/heads.safetensors (+ .json); `--method medusa` reads {DEFAULT_MEDUSA} by "
         "default (or `--option adapters=PATH`).",
     )
-    _add_store_train_args(tmd, str(DEFAULT_MEDUSA.parent), "heads", 1e-3, "Medusa heads to start from")
+    _add_store_train_args(tmd, str(DEFAULT_MEDUSA.parent), "heads", "Medusa heads to start from")
     tmd.add_argument("--heads", type=int, default=4, help="heads: draft depths (default 4)")
     tmd.set_defaults(func=cmd_train_medusa)
 
 
-def _add_store_train_args(p: argparse.ArgumentParser, out: str, what: str, lr: float, init: str) -> None:
+def _add_store_train_args(p: argparse.ArgumentParser, out: str, what: str, init: str) -> None:
     """The flags every drafter trained from a store shares (``train-seeded``, ``train-medusa``)."""
     p.add_argument("--store", default="runs/store", help="training store dirs, comma-separated")
     p.add_argument("--out", default=out, help=f"checkpoint and {what} directory (default {out})")
     p.add_argument("--steps", type=int, default=100000, help="maximum optimizer steps")
     p.add_argument("--minutes", type=float, default=0.0, help="wall-clock budget in minutes (0 = none)")
     p.add_argument("--batch", type=int, default=16, help="sequences per step (default 16)")
-    p.add_argument("--lr", type=float, default=lr, help=f"AdamW learning rate (default {lr:g})")
+    p.add_argument("--lr", type=float, default=2e-3, help="AdamW learning rate (default 2e-3)")
     p.add_argument("--holdout", type=int, default=48, help="store sequences kept out for validation")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=20, help="linear warm-up steps (default 20)")

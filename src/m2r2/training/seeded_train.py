@@ -84,7 +84,6 @@ class SeededTrainSettings(StoreTrainSettings):
 @dataclass
 class MedusaTrainSettings(StoreTrainSettings):
     heads: int = 4
-    lr: float = 1e-3
 
 
 @dataclass
