@@ -202,8 +202,8 @@ def test_training_on_a_store_runs_resumes_bit_for_bit_and_learns(tmp_path, tiny_
     vocab = torch.arange(0, 300, 3)
 
     def settings(out: str, **kw) -> MedusaTrainSettings:
-        return MedusaTrainSettings(store=tmp_path / "store", out=tmp_path / out, steps=12, batch=4, holdout=4,
-                                   heads=3, lr=2e-2, warmup=2, ckpt_minutes=0.0, **kw)  # fmt: skip
+        kw = {"steps": 12, "batch": 4, "holdout": 4, "heads": 3, "lr": 2e-2, "warmup": 2, "ckpt_minutes": 0.0} | kw
+        return MedusaTrainSettings(store=tmp_path / "store", out=tmp_path / out, **kw)
 
     whole = train_medusa(e.model, e.fingerprint, settings("whole"), vocab)
 
@@ -230,6 +230,8 @@ def test_training_on_a_store_runs_resumes_bit_for_bit_and_learns(tmp_path, tiny_
     assert float(after) < float(before) - 0.1, (float(before), float(after))  # random targets: high entropy
     with pytest.raises(SettingsError, match="was written with different settings"):
         train_medusa(e.model, e.fingerprint, settings("split", resume=True, seed=1), vocab)
+    half = train_medusa(e.model, e.fingerprint, settings("bf16", steps=2, bf16=True), vocab)  # autocast runs
+    assert all(p.dtype == torch.float32 and p.isfinite().all() for p in half.parameters())
 
 
 def test_train_medusa_writes_where_the_method_reads_and_eval_align_reports_heads(tmp_path, capsys, tiny_model):
