@@ -1,4 +1,9 @@
-"""Training the seeded fast stream from a training store (base model never run during training).
+"""Training drafters from a training store (base model never run during training): the seeded fast
+stream here and, on the same loop (:func:`train_on_store`), the small draft model of ``two-model``
+(:mod:`m2r2.training.draft_train`). Data, batching, schedule, checkpoints, resume and validation
+are shared; a :class:`Trainee` brings the module, its losses and its file.
+
+Seeded fast stream:
 
 Per step: a batch of whole sequences from the store (their slow ``h_N`` and the slow K/V of the fast
 layers' base layers); the fast stream drafts ``chain`` steps at every position at once
@@ -26,7 +31,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from m2r2.errors import SettingsError
 from m2r2.model import Transformer
@@ -36,19 +41,16 @@ from m2r2.training.store import TrainStore, store_digest
 
 
 @dataclass
-class SeededTrainSettings:
+class StoreTrainSettings:
+    """What every drafter trained from a store shares (data, schedule, checkpoints)."""
+
     store: Path
     out: Path
-    depth: int = 1
-    rank: int = 32
     steps: int = 100000
     minutes: float = 0.0
     batch: int = 16  # sequences per step
-    chain: int = 3  # draft steps trained at each position (train-time drafting)
     lr: float = 2e-3
     warmup: int = 20
-    align_w: float = 0.5
-    arla_w: float = 0.1
     seed: int = 0
     ckpt_minutes: float = 5.0
     resume: bool = False
@@ -66,39 +68,71 @@ class SeededTrainSettings:
         return d
 
 
+@dataclass
+class SeededTrainSettings(StoreTrainSettings):
+    depth: int = 1
+    rank: int = 32
+    chain: int = 3  # draft steps trained at each position (train-time drafting)
+    align_w: float = 0.5
+    arla_w: float = 0.1
+
+
+@dataclass
+class Trainee:
+    """One kind of drafter trained by :func:`train_on_store`: what it adds to the shared loop."""
+
+    module: nn.Module  # trained and saved; has ``cfg`` (``to_dict``), ``base`` and ``draft_vocab``
+    #: batch -> ``loss`` (to minimise), ``agree``/``counts`` (top-1 agreement and positions per draft
+    #: step) and any other scalar tensors to log
+    losses: Callable[[dict[str, Tensor]], dict[str, Any]]
+    save: Callable[..., Path]  # (path, fingerprint, **info): the module's file
+    load: Callable[[Path, str], nn.Module]  # (path, fingerprint): a file of this kind (--init)
+    file: str = "adapters.safetensors"  # written into --out
+    kv_layers: list[int] = field(default_factory=list)  # base layers whose slow K/V each batch carries
+
+
 def pad_batch(seqs: list[dict[str, Tensor]], depth: int) -> dict[str, Tensor]:
-    """Right-pad store sequences to one length; ``valid`` marks real positions."""
+    """Right-pad store sequences to one length; ``valid`` marks real positions; K/V of the last ``depth``
+    stored layers (none for 0)."""
     t = max(len(s["tokens"]) for s in seqs)
     b = len(seqs)
     tokens = torch.zeros(b, t, dtype=torch.long)
     valid = torch.zeros(b, t, dtype=torch.bool)
     d = seqs[0]["hidden"].shape[-1]
     hidden = torch.zeros(b, t, d)
-    kv_shape = seqs[0]["k"].shape  # [L, n, KVH, D]
-    k = torch.zeros(depth, b, kv_shape[2], t, kv_shape[3])
-    v = torch.zeros_like(k)
+    out = {"tokens": tokens, "valid": valid, "hidden": hidden}
+    if depth:
+        kv_shape = seqs[0]["k"].shape  # [L, n, KVH, D]
+        out["k"] = torch.zeros(depth, b, kv_shape[2], t, kv_shape[3])
+        out["v"] = torch.zeros_like(out["k"])
     for i, s in enumerate(seqs):
         n = len(s["tokens"])
         tokens[i, :n], valid[i, :n] = s["tokens"], True
         hidden[i, :n] = s["hidden"].float()
-        k[:, i, :, :n] = s["k"][-depth:].float().transpose(1, 2)
-        v[:, i, :, :n] = s["v"][-depth:].float().transpose(1, 2)
-    return {"tokens": tokens, "valid": valid, "hidden": hidden, "k": k, "v": v}
+        if depth:
+            out["k"][:, i, :, :n] = s["k"][-depth:].float().transpose(1, 2)
+            out["v"][:, i, :, :n] = s["v"][-depth:].float().transpose(1, 2)
+    return out
+
+
+def targets(module: nn.Module, hidden: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The draft-vocabulary head rows and the full model's distribution and top-1 at every position
+    (``softmax(W . Norm(h_N))``: the store holds ``h_N``, so a target costs one head)."""
+    w = module.head_weight().float()
+    with torch.no_grad():
+        target = F.linear(module.base.norm(hidden), w)
+    return w, target.softmax(-1), target.argmax(-1)
 
 
 def chain_losses(stream: SeededFastStream, batch: dict[str, Tensor], chain: int) -> dict[str, Any]:
     """Losses and per-step top-1 agreement (over the draft vocabulary) of one batch."""
     hidden, valid = batch["hidden"], batch["valid"]
-    w = stream.head_weight().float()
-    with torch.no_grad():
-        target = F.linear(stream.base.norm(hidden), w)
-        p = target.softmax(-1)
-        top = target.argmax(-1)
+    w, p, top = targets(stream, hidden)
     out = stream.forward_chain(batch["tokens"], hidden, batch["k"], batch["v"], chain)
     pos = torch.arange(hidden.shape[1])
     rms = hidden.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-3)
     ce = align = arla = torch.zeros(())
-    agree = []
+    agree, counts = [], []
     for s, states in enumerate(out, start=1):
         m = valid & (pos >= s)[None, :]
         f = states[-1]
@@ -107,16 +141,33 @@ def chain_losses(stream: SeededFastStream, batch: dict[str, Tensor], chain: int)
         align = align + F.smooth_l1_loss((f - hidden) / rms, torch.zeros_like(f), reduction="none").mean(-1)[m].mean()
         hit = logits.argmax(-1) == top
         agree.append(float(hit[m].float().mean()))
+        counts.append(int(m.sum()))
         z = stream.arla([x.detach() for x in states], stream.cfg.depth)
         arla = arla + F.binary_cross_entropy_with_logits(z[m], hit[m].float())
-    return {"ce": ce / chain, "align": align / chain, "arla": arla / chain, "agree": agree}
+    return {"ce": ce / chain, "align": align / chain, "arla": arla / chain, "agree": agree, "counts": counts}
 
 
-def _lr(step: int, s: SeededTrainSettings) -> float:
+def _lr(step: int, s: StoreTrainSettings) -> float:
     if step < s.warmup:
         return s.lr * (step + 1) / s.warmup
     frac = min(1.0, (step - s.warmup) / max(1, s.steps - s.warmup))
     return s.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def seeded_trainee(stream: SeededFastStream, chain: int, align_w: float = 0.5, arla_w: float = 0.1) -> Trainee:
+    from m2r2.multirate.io import load_adapters, save_adapters
+
+    def losses(batch: dict[str, Tensor]) -> dict[str, Any]:
+        out = chain_losses(stream, batch, chain)
+        return {"loss": out["ce"] + align_w * out["align"] + arla_w * out["arla"], **out}
+
+    return Trainee(
+        stream,
+        losses,
+        lambda path, fp, **info: save_adapters(path, stream, fp, torch.bfloat16, **info),
+        lambda path, fp: load_adapters(path, stream.base, fp),
+        kv_layers=stream.cfg.layers,
+    )
 
 
 def train_seeded(
@@ -127,25 +178,34 @@ def train_seeded(
     log: Callable[[dict[str, Any]], None] | None = None,
 ) -> SeededFastStream:
     """Train (or resume) a seeded fast stream on the store at ``s.store``; writes checkpoints and adapters."""
-    from m2r2.multirate.io import save_adapters
-
-    if s.chain < 1 or s.batch < 1 or s.depth < 1:
-        raise SettingsError("chain, batch and depth must be >= 1")
-    if base.dtype != torch.float32:
-        raise SettingsError("train the seeded fast stream on the float32 model (--dtype fp32)")
-    stores = [TrainStore(Path(p), fingerprint) for p in str(s.store).split(",")]
-    cfg = SeededConfig.build(base.cfg.num_layers, s.depth, s.rank)
-    for store in stores:
-        if store.kv_layers[-s.depth :] != cfg.layers:
-            raise SettingsError(f"store {store.root} holds K/V of layers {store.kv_layers}, not of {cfg.layers}")
-    stream = SeededFastStream(base, cfg)
+    if s.chain < 1 or s.depth < 1:
+        raise SettingsError("chain and depth must be >= 1")
+    stream = SeededFastStream(base, SeededConfig.build(base.cfg.num_layers, s.depth, s.rank))
     stream.draft_vocab = draft_vocab
+    train_on_store(fingerprint, s, seeded_trainee(stream, s.chain, s.align_w, s.arla_w), log)
+    return stream
+
+
+def train_on_store(
+    fingerprint: str, s: StoreTrainSettings, t: Trainee, log: Callable[[dict[str, Any]], None] | None = None
+) -> nn.Module:
+    """The training loop every store-trained drafter shares: writes checkpoints and ``--out/t.file``."""
+    module, cfg = t.module, t.module.cfg
+    if s.batch < 1:
+        raise SettingsError("batch must be >= 1")
+    if module.base.dtype != torch.float32:
+        raise SettingsError("train drafters on the float32 model (--dtype fp32)")
+    stores = [TrainStore(Path(p), fingerprint) for p in str(s.store).split(",")]
+    depth = len(t.kv_layers)
+    for store in stores:
+        if depth and store.kv_layers[-depth:] != t.kv_layers:
+            raise SettingsError(f"store {store.root} holds K/V of layers {store.kv_layers}, not of {t.kv_layers}")
     seqs = [[q for i in range(len(st.shards)) for q in st.sequences(st.load_shard(i))] for st in stores]
     held = seqs[0][: s.holdout]  # validation: the first store's first sequences
     train = seqs[0][s.holdout :] + [q for more in seqs[1:] for q in more]
     if not train:
         raise SettingsError(f"the stores hold no sequences beyond --holdout {s.holdout}")
-    params = [p for p in stream.parameters() if p.requires_grad]
+    params = [p for p in module.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=s.lr, weight_decay=0.0)
     ckpt = Path(s.out) / "checkpoint.pt"
     digest = "+".join(store_digest(st.root) for st in stores)
@@ -156,15 +216,13 @@ def train_seeded(
     }
     step = 0
     if s.init and not s.resume:
-        from m2r2.multirate.io import load_adapters
-
-        start = load_adapters(Path(s.init), base, fingerprint)
-        if not isinstance(start, SeededFastStream) or start.cfg != cfg:
-            raise SettingsError(f"--init {s.init} is not a seeded fast stream of this shape ({cfg.to_dict()})")
-        stream.load_state_dict(start.state_dict())
+        start = t.load(Path(s.init), fingerprint)
+        if type(start) is not type(module) or start.cfg != cfg:
+            raise SettingsError(f"--init {s.init} is not a {type(module).__name__} of this shape ({cfg.to_dict()})")
+        module.load_state_dict(start.state_dict())
     if s.resume:
         state = load_checkpoint(ckpt, fingerprint, cfg.to_dict(), traj, digest)
-        stream.load_state_dict(state["stream"])
+        module.load_state_dict(state["stream"])
         opt.load_state_dict(state["optim"])
         step = int(state["step"])
 
@@ -172,7 +230,7 @@ def train_seeded(
         save_checkpoint(
             ckpt,
             {
-                "stream": stream.state_dict(),
+                "stream": module.state_dict(),
                 "optim": opt.state_dict(),
                 "step": step,
                 "fingerprint": fingerprint,
@@ -185,46 +243,34 @@ def train_seeded(
     t0 = last_ckpt = time.perf_counter()
     per_epoch = max(1, len(train) // s.batch)
     seen = 0
-    stream.train()
+    module.train()
     while step < s.steps and not (s.minutes and time.perf_counter() - t0 > s.minutes * 60):
         epoch, k = divmod(step, per_epoch)
         order = torch.randperm(len(train), generator=torch.Generator().manual_seed(s.seed * 100003 + epoch))
-        batch = pad_batch([train[i] for i in order[k * s.batch : (k + 1) * s.batch].tolist()], s.depth)
+        batch = pad_batch([train[i] for i in order[k * s.batch : (k + 1) * s.batch].tolist()], depth)
         for g in opt.param_groups:
             g["lr"] = _lr(step, s)
-        with torch.autocast(base.device.type, dtype=torch.bfloat16, enabled=s.bf16):
-            out = chain_losses(stream, batch, s.chain)
-        loss = out["ce"] + s.align_w * out["align"] + s.arla_w * out["arla"]
+        with torch.autocast(module.base.device.type, dtype=torch.bfloat16, enabled=s.bf16):
+            out = t.losses(batch)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        out["loss"].backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         step += 1
         seen += int(batch["valid"].sum())
         if log is not None:
-            log(
-                {
-                    "step": step,
-                    "epoch": epoch,
-                    "ce": float(out["ce"]),
-                    "align": float(out["align"]),
-                    "arla": float(out["arla"]),
-                    "agree": out["agree"],
-                    "tokens": seen,
-                    "tok_s": seen / (time.perf_counter() - t0),
-                }
-            )
+            scalars = {k: float(v.detach()) for k, v in out.items() if isinstance(v, Tensor)}
+            log({"step": step, "epoch": epoch, **scalars, "agree": out["agree"], "tokens": seen,
+                 "tok_s": seen / (time.perf_counter() - t0)})  # fmt: skip
         if time.perf_counter() - last_ckpt > s.ckpt_minutes * 60:
             save(step)
             last_ckpt = time.perf_counter()
     save(step)
-    val = evaluate_chain(stream, held, s.depth, s.chain)
-    stream.eval()
-    save_adapters(
-        Path(s.out) / "adapters.safetensors",
-        stream,
+    val = agreement(t, held)
+    module.eval()
+    t.save(
+        Path(s.out) / t.file,
         fingerprint,
-        torch.bfloat16,
         train={
             **s.to_dict(),
             "steps_done": step,
@@ -236,31 +282,35 @@ def train_seeded(
         validation={"agree_per_step": val, "sequences": len(held)},
         **s.info,
     )
-    return stream
+    return module
 
 
 @torch.no_grad()
+def agreement(t: Trainee, seqs: list[dict[str, Tensor]], starts: list[int] | None = None) -> list[float]:
+    """Top-1 agreement with the full model per draft step on ``seqs`` (token-weighted); with
+    ``starts``, only positions from each sequence's answer start on count."""
+    was = t.module.training
+    t.module.eval()
+    hits: list[float] = []
+    total: list[int] = []
+    for i in range(0, len(seqs), 16):
+        batch = pad_batch(seqs[i : i + 16], len(t.kv_layers))
+        for j, start in enumerate((starts or [])[i : i + 16]):
+            batch["valid"][j, :start] = False  # the prompt is not drafted
+        out = t.losses(batch)
+        hits, total = hits or [0.0] * len(out["agree"]), total or [0] * len(out["agree"])
+        for k, (a, n) in enumerate(zip(out["agree"], out["counts"], strict=True)):
+            hits[k] += a * n if n else 0.0  # an empty mask's mean is NaN
+            total[k] += n
+    t.module.train(was)
+    return [h / max(n, 1) for h, n in zip(hits, total, strict=True)]
+
+
 def evaluate_chain(
     stream: SeededFastStream, seqs: list[dict[str, Tensor]], depth: int, chain: int, starts: list[int] | None = None
 ) -> list[float]:
-    """Top-1 agreement with the full model at draft steps 1..chain on ``seqs`` (token-weighted);
-    with ``starts``, only positions from each sequence's answer start on count."""
-    was = stream.training
-    stream.eval()
-    hits = [0.0] * chain
-    total = [0] * chain
-    for i in range(0, len(seqs), 16):
-        batch = pad_batch(seqs[i : i + 16], depth)
-        for j, start in enumerate((starts or [])[i : i + 16]):
-            batch["valid"][j, :start] = False  # the prompt is not drafted
-        out = chain_losses(stream, batch, chain)
-        pos = torch.arange(batch["tokens"].shape[1])
-        for s, a in enumerate(out["agree"]):
-            n = int((batch["valid"] & (pos >= s + 1)[None, :]).sum())
-            hits[s] += a * n
-            total[s] += n
-    stream.train(was)
-    return [h / max(t, 1) for h, t in zip(hits, total, strict=True)]
+    """Top-1 agreement with the full model at draft steps 1..chain on ``seqs`` (see :func:`agreement`)."""
+    return agreement(seeded_trainee(stream, chain), seqs, starts)
 
 
 @torch.no_grad()
