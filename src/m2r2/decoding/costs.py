@@ -67,6 +67,7 @@ def measure_costs(model: Transformer, drafter_factory: Callable[[Any], Any], k_m
     cache = model.new_cache(ctx + k_max + 2)
     ids = torch.arange(ctx, device=model.device)[None] % model.cfg.vocab_size
     drafter = drafter_factory(cache)
+    drafter.observe(ids[0].tolist())  # a drafter with its own cache catches up on the context once (warm-up)
 
     def one_draft() -> None:
         drafter.start(ctx)
@@ -111,7 +112,7 @@ def cost_cache_path(engine: Loaded, fast: FastStream | SeededFastStream, k_max: 
         "kernel": engine.kernel,
         "fast": asdict(fast.cfg),
         "adapters": getattr(fast, "use_adapters", True),
-        "folded": fast.merged is not None,
+        "folded": getattr(fast, "merged", None) is not None,
         "draft_vocab": 0 if fast.sub_head is None or fast.draft_vocab is None else len(fast.draft_vocab),
         "k_max": k_max,
     }
