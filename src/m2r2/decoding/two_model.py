@@ -166,10 +166,10 @@ class SmallDraft(nn.Module):
         for m in self.modules():
             if isinstance(m, RMSNorm):
                 m.to(dtype)
-        head = self.base.lm_head
-        rows = dense_weight(head) if self.draft_vocab is None else dense_weight(head)[self.draft_vocab]
-        object.__setattr__(self, "sub_head", linear_like(head, rows.to(self.base.device)))
-        return self.to(self.base.device)
+        head = self.base.lm_head  # over the whole vocabulary the base's own head serves
+        rows = None if self.draft_vocab is None else dense_weight(head)[self.draft_vocab.to(self.base.device)]
+        object.__setattr__(self, "sub_head", head if rows is None else linear_like(head, rows))
+        return self
 
     def new_cache(self, max_len: int) -> KVCache:
         return KVCache(self.model_cfg, max_len, dtype=self.base.dtype, device=self.base.device)
