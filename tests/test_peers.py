@@ -10,6 +10,7 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 from tests.test_speculative import _exact_marginal, tiny_model
 from tests.test_tree import _conversations
 
@@ -133,6 +134,22 @@ def test_greedy_two_model_equals_plain_greedy_and_keeps_the_draft_cache_in_step(
         assert d.fed == d.context[: d.good] and d.good >= len(prompt)
         if dtype == torch.float32:  # (bf16 catch-up passes of several rows round differently)
             torch.testing.assert_close(d.cache.k[:, :, :, : d.good], fresh.k[:, :, :, : d.good])
+
+
+def test_small_draft_trains_on_what_it_drafts_with():
+    """The training pass (whole sequences, no cache) computes the draft logits of the inference form."""
+    model = tiny_model(12)
+    draft = SmallDraft(model, DraftConfig.build(4, 2))
+    draft.draft_vocab = torch.tensor([0, 3, 9, 17, 40])
+    tokens = torch.tensor([[4, 9, 1, 33, 7, 2, 60, 5]])
+    with torch.no_grad():
+        want = F.linear(draft.norm(draft.forward_train(tokens)), draft.head_weight())
+    draft.freeze()
+    cache = draft.new_cache(16)
+    with torch.inference_mode():
+        got = torch.cat([draft.logits(draft.run(tokens[:, i : i + 1], cache, i)) for i in range(8)], dim=1)
+    torch.testing.assert_close(got[..., draft.draft_vocab], want, rtol=1e-5, atol=1e-5)
+    assert bool(torch.isinf(got[..., 1]).all())
 
 
 def test_a_separate_full_draft_model_drafts_over_the_targets_vocabulary():
