@@ -710,6 +710,7 @@ def build_parser() -> argparse.ArgumentParser:
     mf.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     mf.set_defaults(func=cmd_moefy)
     _add_seeded_commands(sub)
+    _add_draft_commands(sub)
     return p
 
 
@@ -781,6 +782,77 @@ def _add_store_train_args(p: argparse.ArgumentParser, out: str, what: str, init:
     p.add_argument("--draft-vocab", default=None, help="adapter file whose draft vocabulary to use (default: shipped)")
     p.add_argument("--model", default=os.environ.get("M2R2_MODEL"), help="base model (default smollm2-135m)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+
+def _add_draft_commands(sub: argparse._SubParsersAction) -> None:
+    td = sub.add_parser(
+        "train-draft",
+        help="distil the small draft model of `two-model` (the base's embedding + first layers + head) from a store",
+        description="Copies the base's first --depth layers and final norm and trains them to match the full "
+        "model's next-token distribution on a store from `m2r2 store` (embedding and head stay the base's). "
+        "Writes DIR/draft.safetensors (+ .json, bound to the base model); use it with `--method two-model "
+        "--option draft=DIR/draft.safetensors`.",
+    )
+    td.add_argument("--store", default="runs/store", help="training store dirs, comma-separated")
+    td.add_argument("--out", default="runs/draft", help="checkpoint and draft-model directory (default runs/draft)")
+    td.add_argument("--depth", type=int, default=2, help="base layers copied into the draft (default 2)")
+    td.add_argument("--steps", type=int, default=100000, help="maximum optimizer steps")
+    td.add_argument("--minutes", type=float, default=0.0, help="wall-clock budget in minutes (0 = none)")
+    td.add_argument("--batch", type=int, default=16, help="sequences per step (default 16)")
+    td.add_argument("--lr", type=float, default=5e-4, help="AdamW learning rate (default 5e-4)")
+    td.add_argument("--holdout", type=int, default=48, help="store sequences kept out for validation")
+    td.add_argument("--seed", type=int, default=0)
+    td.add_argument("--warmup", type=int, default=20, help="linear warm-up steps (default 20)")
+    td.add_argument("--resume", action="store_true", help="continue from --out/checkpoint.pt")
+    td.add_argument("--init", default=None, help="draft-model file to start from")
+    td.add_argument("--bf16", action="store_true", help="bf16 autocast for the matmuls (float32 weights, optimizer)")
+    td.add_argument(
+        "--draft-vocab",
+        default=None,
+        help="adapter file whose draft vocabulary the head scores (default: the shipped one; 'none': all tokens)",
+    )
+    td.add_argument("--model", default=os.environ.get("M2R2_MODEL"), help="base model (default smollm2-135m)")
+    td.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    td.set_defaults(func=cmd_train_draft)
+
+
+def cmd_train_draft(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from m2r2.engine import Engine
+    from m2r2.multirate.io import bundled_adapters, load_adapters
+    from m2r2.training.draft_train import DraftTrainSettings, train_draft
+
+    engine = Engine(args.model, dtype="fp32", threads=args.threads)
+    src = None if args.draft_vocab == "none" else args.draft_vocab or bundled_adapters(engine.fingerprint, "prefix")
+    vocab = load_adapters(Path(src), engine.model, engine.fingerprint).draft_vocab if src else None
+    s = DraftTrainSettings(
+        store=Path(args.store),
+        out=Path(args.out),
+        depth=args.depth,
+        steps=args.steps,
+        minutes=args.minutes,
+        batch=args.batch,
+        lr=args.lr,
+        holdout=args.holdout,
+        seed=args.seed,
+        resume=args.resume,
+        warmup=args.warmup,
+        init=args.init,
+        bf16=args.bf16,
+        info={"base_model": str(args.model or "smollm2-135m")},
+    )
+    bar = tqdm(desc="train-draft", unit="step", file=sys.stderr)
+
+    def log(d: dict) -> None:
+        bar.update(1)
+        bar.set_postfix(kl=f"{d['kl']:.3f}", agree=f"{d['agree'][0]:.3f}", tok_s=f"{d['tok_s']:.0f}")
+
+    train_draft(engine.model, engine.fingerprint, s, vocab, log)
+    bar.close()
+    meta = json.loads((Path(args.out) / "draft.json").read_text())
+    print(json.dumps({"draft": str(Path(args.out) / "draft.safetensors"), "validation": meta["validation"]}))
+    return 0
 
 
 def _default_conversations() -> Path:

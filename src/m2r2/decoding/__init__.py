@@ -22,7 +22,18 @@ if TYPE_CHECKING:
 Factory = Callable[..., "Strategy"]
 _REGISTRY: dict[str, tuple[Factory, str]] = {}
 #: Modules whose ``@register`` calls define the built-in methods (imported on first lookup).
-BUILTIN = ("autoregressive", "dynamic", "exits", "hf", "lookahead", "medusa", "mixture_of_depths", "speculative")
+BUILTIN = (
+    "autoregressive",
+    "deed",
+    "dynamic",
+    "exits",
+    "hf",
+    "lookahead",
+    "medusa",
+    "mixture_of_depths",
+    "speculative",
+    "two_model",
+)
 #: Method name that picks for the model: ``m2r2`` where fast-stream adapters exist for it, else ``vanilla``.
 AUTO_METHOD = "auto"
 #: The one default of the CLI and the API (lossless either way).

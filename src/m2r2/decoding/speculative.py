@@ -2,7 +2,9 @@
 
 The loop is drafter-agnostic: ``m2r2`` drafts with the M2R2 fast stream (trained accelerator
 adapters over the shared slow KV cache), ``early-exit-spec`` with the same layers and no adapters
-(plain early exit), which is the ablation that shows what the adapters buy.
+(plain early exit), which is the ablation that shows what the adapters buy; the peers ``deed``
+(:mod:`m2r2.decoding.deed`) and ``two-model`` (:mod:`m2r2.decoding.two_model`) are drafters of
+this same loop, so every chain method is verified by exactly the same code.
 
 Invariants the tests check: greedy output is token-for-token the plain greedy output (a draft is
 kept only where it equals the slow model's argmax, and the slow model always supplies the next
@@ -59,6 +61,11 @@ class Drafter(Protocol):
         """Feed the next token of the block; return draft logits (``[V]`` float32) for the token after
         it and the probability that this draft will be accepted (None if the drafter has no estimate)."""
 
+    def observe(self, tokens: list[int]) -> None:
+        """``tokens`` just became verified, in order (the prompt, then each round's root token and
+        accepted drafts). Drafters that read the slow cache ignore it; a separate draft model keeps
+        its own KV cache in step with it."""
+
 
 class SelfSpeculative:
     """Draft with a :class:`Drafter`, verify with the slow model, roll the KV cache back."""
@@ -101,6 +108,7 @@ class SelfSpeculative:
         sampler = Sampler(gen, model.device)
         self.last_cache = cache
         drafter = self.make_drafter(cache)
+        drafter.observe(prompt)
         tok = sampler(logits[0, -1])
         emitted = [tok]
         passes = drafted = accepted = draft_steps = 0
@@ -127,6 +135,7 @@ class SelfSpeculative:
                 "verify_passes_per_token": passes / ntok,
                 "draft_layers_per_token": draft_steps * drafter.layers_per_step / ntok,
                 "layers_per_token": (passes * n_layers + draft_steps * drafter.layers_per_step) / ntok,
+                **(drafter.stats() if hasattr(drafter, "stats") else {}),  # the drafter's own (exit depths)
                 # measured once per strategy, in units of a one-token slow step (what decides drafting)
                 **(
                     {
@@ -167,6 +176,7 @@ class SelfSpeculative:
         if drafts:  # running per-draft acceptance, for the next round's draft length
             accept_rate = 0.8 * accept_rate + 0.2 * (n / len(drafts))
         cache.truncate(verified + 1 + n)
+        drafter.observe([tok, *drafts[:n]])
         return [*drafts[:n], nxt], n, len(drafts), accept_rate
 
     def _draft(
@@ -232,6 +242,9 @@ class FastStreamDrafter:
 
     def start(self, verified_len: int) -> None:
         self.verified, self.block = verified_len, None
+
+    def observe(self, tokens: list[int]) -> None:
+        pass  # the verified context is the slow cache itself
 
     def step(self, token: int) -> tuple[Tensor, float | None]:
         ids = torch.tensor([[token]], device=self.fast.base.device)

@@ -245,6 +245,8 @@ class Scheduler:
             job.accept_rate = self.spec.prior_accept
             if hasattr(job.drafter, "h_last"):  # a seeded drafter starts from the prompt's final slow state
                 job.drafter.h_last = hidden[0]
+            if hasattr(job.drafter, "observe"):  # a chain drafter (a draft model's own cache) sees the prompt
+                job.drafter.observe(job.prompt)
         self._push(job, [job.sampler(logits[0, -1])])
 
     def _push(self, job: Job, new: list[int]) -> None:
@@ -283,6 +285,8 @@ class Scheduler:
             job.batched_steps += 1
             if hasattr(job.drafter, "h_last"):  # keep a seeded drafter's seed current across batched steps
                 job.drafter.h_last = hidden[b : b + 1]
+            if hasattr(job.drafter, "observe"):  # and a draft model's context
+                job.drafter.observe([job.tok])
             assert job.sampler is not None
             tok = greedy_ids[b] if job.gen.greedy else job.sampler(model.head(hidden[b : b + 1])[0, 0])
             self._push(job, [tok])

@@ -129,7 +129,7 @@ def _mean(x: Tensor, m: Tensor) -> Tensor:
     return x[m].sum() / max(int(m.sum()), 1)
 
 
-def _targets(module: nn.Module, hidden: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def targets(module: nn.Module, hidden: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """The draft-vocabulary head rows and the full model's distribution and top-1 at every position."""
     w = module.head_weight().float()
     with torch.no_grad():
@@ -140,7 +140,7 @@ def _targets(module: nn.Module, hidden: Tensor) -> tuple[Tensor, Tensor, Tensor]
 def chain_losses(stream: SeededFastStream, batch: dict[str, Tensor], chain: int) -> dict[str, Any]:
     """Losses and per-step top-1 agreement (over the draft vocabulary) of one batch."""
     hidden, valid = batch["hidden"], batch["valid"]
-    w, p, top = _targets(stream, hidden)
+    w, p, top = targets(stream, hidden)
     out = stream.forward_chain(batch["tokens"], hidden, batch["k"], batch["v"], chain)
     pos = torch.arange(hidden.shape[1])
     rms = hidden.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-3)
@@ -163,7 +163,7 @@ def chain_losses(stream: SeededFastStream, batch: dict[str, Tensor], chain: int)
 def medusa_losses(heads: MedusaHeads, batch: dict[str, Tensor]) -> dict[str, Any]:
     """CE of each head against the full model's distribution ``i`` positions later, and its agreement."""
     hidden, valid = batch["hidden"], batch["valid"]
-    w, p, top = _targets(heads, hidden)
+    w, p, top = targets(heads, hidden)
     t = hidden.shape[1]
     ce = torch.zeros(())
     agree, counts = [], []
