@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from m2r2.errors import InputError, M2R2Error, SettingsError
-from m2r2.paths import DEFAULT_ANSWERS, DEFAULT_MEDUSA, DEFAULT_TRAIN_PROMPTS
+from m2r2.paths import DEFAULT_ANSWERS, DEFAULT_DRAFT, DEFAULT_MEDUSA, DEFAULT_TRAIN_PROMPTS
 
 if TYPE_CHECKING:  # types only: the CLI imports torch only for a command that runs
     from m2r2.decoding.base import GenerationConfig
@@ -794,7 +794,11 @@ def _add_draft_commands(sub: argparse._SubParsersAction) -> None:
         "--option draft=DIR/draft.safetensors`.",
     )
     td.add_argument("--store", default="runs/store", help="training store dirs, comma-separated")
-    td.add_argument("--out", default="runs/draft", help="checkpoint and draft-model directory (default runs/draft)")
+    td.add_argument(
+        "--out",
+        default=str(DEFAULT_DRAFT.parent),
+        help=f"checkpoint and draft-model directory (default {DEFAULT_DRAFT.parent}; `--method two-model` reads it)",
+    )
     td.add_argument("--depth", type=int, default=2, help="base layers copied into the draft (default 2)")
     td.add_argument("--steps", type=int, default=100000, help="maximum optimizer steps")
     td.add_argument("--minutes", type=float, default=0.0, help="wall-clock budget in minutes (0 = none)")

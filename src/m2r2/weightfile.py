@@ -103,9 +103,10 @@ def bundled(kind: Kind, fingerprint: str, accept: Callable[[dict[str, Any]], boo
     return None
 
 
-def given_or_shipped(path: Path | None, kind: Kind, fingerprint: str) -> Path:
-    """``path``, else the file shipped for this base model; a one-line error if there is none."""
-    path = path or bundled(kind, fingerprint)
+def given_or_shipped(path: Path | None, kind: Kind, fingerprint: str, trained: Path | None = None) -> Path:
+    """``path``, else the file shipped for this base model, else ``trained`` (where the training command
+    writes by default, so ``m2r2 bench`` finds a fresh run) if it exists; a one-line error if none is."""
+    path = path or bundled(kind, fingerprint) or (trained if trained is not None and trained.is_file() else None)
     if path is None:
         raise WeightsError(kind.none_shipped)
     return path

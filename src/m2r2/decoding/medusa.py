@@ -158,10 +158,7 @@ def is_heads_file(path: Path) -> bool:
 def heads_path(fingerprint: str, path: Path | None = None) -> Path:
     """``path``, else the heads shipped for this base model, else what ``m2r2 train-medusa`` writes by
     default; a one-line error when there are none."""
-    path = path or weightfile.bundled(HEADS, fingerprint) or (DEFAULT_MEDUSA if DEFAULT_MEDUSA.is_file() else None)
-    if path is None:
-        raise WeightsError(HEADS.none_shipped)
-    return path
+    return weightfile.given_or_shipped(path, HEADS, fingerprint, DEFAULT_MEDUSA)
 
 
 @register("medusa", "baseline: Medusa-1 heads on the frozen model draft token trees, verified as m2r2's (lossless)")

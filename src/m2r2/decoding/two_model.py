@@ -36,6 +36,7 @@ from m2r2.decoding.speculative import Drafter, SelfSpeculative
 from m2r2.errors import InputError, SettingsError, WeightsError
 from m2r2.kernels import dense_weight, linear_like
 from m2r2.model import Block, RMSNorm, Transformer, attend
+from m2r2.paths import DEFAULT_DRAFT
 
 if TYPE_CHECKING:
     from m2r2.decoding.base import Loaded
@@ -285,8 +286,8 @@ def load_draft(path: Path, base: Transformer, fingerprint: str) -> SmallDraft:
 
 def draft_for(engine: Loaded, spec: str | None) -> DraftModel:
     """The draft model ``spec`` names: a draft-model file, else a model with the target's tokenizer;
-    None = the file shipped for this base model."""
-    path = Path(spec) if spec else weightfile.given_or_shipped(None, DRAFT, engine.fingerprint)
+    None = the file shipped for this base model, else a fresh ``m2r2 train-draft`` run's default output."""
+    path = Path(spec) if spec else weightfile.given_or_shipped(None, DRAFT, engine.fingerprint, DEFAULT_DRAFT)
     if path.suffix in (".safetensors", ".json"):
         return load_draft(path, engine.model, engine.fingerprint).to(engine.model.device).freeze()
     from m2r2.loading import load_model, parse_dtype, resolve_model
