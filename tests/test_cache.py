@@ -8,6 +8,7 @@ import torch
 from conftest import TINY_VOCAB
 from m2r2.cache import KVCache
 from m2r2.config import ModelConfig
+from m2r2.decoding.base import CACHE_CLASS, cache_capacity
 from m2r2.errors import InputError
 from m2r2.loading import load_model
 from m2r2.model import Transformer
@@ -119,3 +120,13 @@ def test_explicit_pos_overwrites(model: Transformer) -> None:
     assert cache.length == 9
     fresh = model(torch.cat([a[:, :6], b], dim=1), model.new_cache(16), 0)
     torch.testing.assert_close(got, fresh[:, 6:], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "budget", "context", "capacity"),
+    [(10, 20, 8192, 256), (10, 182, 8192, 256), (10, 183, 8192, 512), (200, 64, 8192, 512), (250, 100, 300, 300)],
+)
+def test_cache_capacity_rounds_up_to_a_size_class_within_the_context(prompt, budget, context, capacity) -> None:
+    got = cache_capacity(prompt, budget, context)
+    assert got == capacity and got >= min(context, prompt + budget)
+    assert got == context or got % CACHE_CLASS == 0

@@ -107,11 +107,21 @@ class Strategy(Protocol):
 #: lookahead block). Attention spans the whole cache for row invariance (see ``Transformer.causal_mask``),
 #: so all strategies must allocate the *same* capacity for their outputs to be bit-identical.
 CACHE_SLACK = 64
+#: Capacities are rounded up to a multiple of this (a size class): ``m2r2 serve`` attends over the
+#: caches of one class in one call (``Transformer.step_rows``), so the fewer classes the better, while
+#: every slot past a sequence's length costs a lone step attention work (BENCHMARKS.md, "Serving").
+CACHE_CLASS = 256
 
 
 def cache_capacity(prompt_len: int, budget: int, context: int) -> int:
-    """KV-cache capacity for a generation: identical for every method given the same request."""
-    return min(context, prompt_len + budget + CACHE_SLACK)
+    """KV-cache capacity for a generation: identical for every method given the same request (and for
+    ``m2r2 serve``, which is how a served request gets the bits ``Engine.generate`` gives it alone).
+
+    Prompt, budget and :data:`CACHE_SLACK`, rounded up to a multiple of :data:`CACHE_CLASS`, at most
+    the model's ``context``.
+    """
+    need = prompt_len + budget + CACHE_SLACK
+    return min(context, -(-need // CACHE_CLASS) * CACHE_CLASS)
 
 
 def check_prompt(prompt: list[int], context: int) -> None:
