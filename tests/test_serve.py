@@ -97,6 +97,59 @@ def test_step_rows_gives_each_sequence_its_lone_step_bits(kernel):
             assert a.length == b.length and torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 2, 8), (9, 3, 64)])  # test_speculative's, SmolLM2's
+def test_attention_over_several_caches_gives_each_its_lone_bits(dtype, heads, kv_heads, head_dim):
+    """Batch items are independent products of a lone step's shape: on this machine that keeps bits."""
+    from m2r2.model import batches_requests_exactly
+
+    assert batches_requests_exactly(heads, kv_heads, head_dim, dtype, "cpu", torch.get_num_threads())
+
+
+@pytest.mark.parametrize("kernel", ["plain", "mkldnn", "q4"])
+def test_pooled_step_rows_attend_once_per_size_class_with_lone_step_bits(kernel):
+    """Five sequences in two size classes of one pool, interleaved: one attention call per class, and
+    every row, and every cache, equal to lone steps; also after a sequence leaves mid-way (the last
+    one of its class moves into its place)."""
+    from m2r2.cache import KVPool
+    from m2r2.decoding.base import cache_capacity
+    from m2r2.kernels import mkldnn_usable, q4_usable, use_kernels
+    from test_speculative import tiny_model as random_model
+
+    model = random_model(4, dtype=torch.bfloat16)
+    if (kernel == "mkldnn" and not mkldnn_usable(model)) or (kernel == "q4" and not q4_usable(model)):
+        pytest.skip(f"{kernel} kernels unavailable here")
+    use_kernels(model, kernel)
+    ctx = model.cfg.max_position_embeddings
+    pool = KVPool(model.cfg, 4, model.dtype, model.device)
+    g = torch.Generator().manual_seed(0)
+    lens = [5, 200, 40, 17, 230]  # capacities 256, 512, 256, 256, 512 for a 30-token budget
+    with torch.inference_mode():
+        batch, alone = [], []
+        for n in lens:
+            prompt = torch.randint(0, 64, (1, n), generator=g)
+            for caches, new in ((batch, pool.take), (alone, model.new_cache)):
+                caches.append(new(cache_capacity(n, 30, ctx)))
+                model(prompt, caches[-1], 0)
+        assert sorted(c.max_len for c in batch) == [256, 256, 256, 512, 512]
+        toks = [3, 9, 27, 1, 2]
+        for step in range(6):
+            if step == 3:  # the first sequence leaves: the last 256-slot one moves into its item
+                pool.give(batch.pop(0))
+                alone.pop(0)
+                toks.pop(0)
+            groups = model.step_groups(batch)
+            assert sorted(len(gr.cache.caches) for gr in groups) == ([2, 3] if step < 3 else [2, 2])
+            assert all(gr.cache.k is not None for gr in groups)  # pooled: views, no copy
+            hidden = model.step_rows(toks, batch)
+            for b, cache in enumerate(alone):
+                h = model.run_layers(model.embed_tokens(torch.tensor([[toks[b]]])), cache, cache.length)
+                assert torch.equal(hidden[b], h[0])
+            toks = [int(model.head(hidden[b : b + 1])[0, 0].argmax()) for b in range(len(batch))]
+        for a, b in zip(batch, alone, strict=True):
+            assert a.length == b.length and torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+
+
 def test_text_stream_never_sends_past_a_stop_string():
     text = "abc STOP def"
     ts = TextStream(lambda ids: text[: len(ids)], ["STOP"])
