@@ -211,6 +211,42 @@ def test_concurrent_requests_are_batched_and_bit_identical(server, tiny_engine):
     assert wait_idle(server)["peak_batch"] >= 2
 
 
+def test_concurrent_requests_in_two_size_classes_attend_per_class_and_stay_bit_identical(tiny_model, monkeypatch):
+    """Prompts of different lengths in one size class (capacity 256) and in another (512), greedy and
+    seeded, all at once: some step attends once per class over several requests; every answer equals
+    ``Engine.generate`` alone."""
+    eng = Engine(str(tiny_model(seed=3, max_position_embeddings=1024)), quiet=True)
+    seen: list[list[int]] = []
+    step_groups = eng.model.step_groups
+
+    def recorded(caches):
+        groups = step_groups(caches)
+        seen.append(sorted(len(gr.cache.caches) for gr in groups))
+        return groups
+
+    monkeypatch.setattr(eng.model, "step_groups", recorded)
+    g = torch.Generator().manual_seed(2)
+    jobs = []
+    for i, n in enumerate([6, 30, 61, 200, 262, 330]):  # + 20 tokens + 64 slack: capacities 256 x 3, 512 x 3
+        gen = {"temperature": 0.8, "seed": i} if i in (1, 4) else {}
+        jobs.append((torch.randint(3, 300, (n,), generator=g).tolist(), 20, gen))
+    barrier = threading.Barrier(len(jobs))
+    with background(create_app(eng, SlowScheduler(eng, "vanilla", max_batch=8), MODEL)) as url:
+        c = client(url)
+
+        def ask(job):
+            ids, n, gen = job
+            barrier.wait()
+            return c.completions.create(model=MODEL, prompt=ids, max_tokens=n, **gen).choices[0].text
+
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            got = list(pool.map(ask, jobs))
+        assert wait_idle(url)["peak_batch"] >= 4
+    for (ids, n, gen), text in zip(jobs, got, strict=True):
+        assert text == solo(eng, ids, n, **gen)
+    assert any(len(sizes) == 2 and max(sizes) >= 2 for sizes in seen), seen
+
+
 def _post(url: str, path: str, body, headers=None) -> httpx.Response:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     return httpx.post(url + path, content=content, headers={"content-type": "application/json", **(headers or {})})

@@ -139,6 +139,7 @@ def begin(
     eos_ids: list[int],
     decode: Callable[[list[int]], str] | None,
     last_hidden: list[Tensor] | None = None,
+    new_cache: Callable[[int], KVCache] | None = None,
 ) -> tuple[float, Stopper, KVCache, Tensor]:
     """The start every strategy shares: check settings and prompt, start the clock, set up stopping,
     allocate the cache at the common capacity and prefill the prompt.
@@ -147,13 +148,15 @@ def begin(
     One place for this is what gives every method the same cache capacity (so their outputs are
     bit-identical) and the same stopping rules. ``last_hidden``, when given, receives the final slow
     state of the prompt's last position (``[1, 1, d]``; seeded drafters start from it).
+    ``new_cache`` allocates the cache of a given capacity (default ``model.new_cache``; the server
+    lends pooled ones).
     """
     gen.validate()
     ctx = model.cfg.max_position_embeddings
     check_prompt(prompt, ctx)
     t0 = time.perf_counter()
     stopper = Stopper(gen, eos_ids, decode, ctx - len(prompt))
-    cache = model.new_cache(cache_capacity(len(prompt), stopper.budget, ctx))
+    cache = (new_cache or model.new_cache)(cache_capacity(len(prompt), stopper.budget, ctx))
     tokens = torch.tensor([prompt], device=model.device)
     if last_hidden is None:  # through ``model(...)``: wrappers that hook each forward pass see it
         return t0, stopper, cache, model(tokens, cache, 0, last_only=True)

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from m2r2.cache import KVPool
 from m2r2.decoding.base import GenerationConfig, Sampler, Stopper, begin
 from m2r2.decoding.speculative import SelfSpeculative
 from m2r2.decoding.tree import TreeSpeculative
@@ -122,6 +123,7 @@ class Scheduler:
                 )
             self.spec = strategy
         self.max_batch, self.max_queue = max_batch, max_queue
+        self.pool = KVPool(self.model.cfg, max_batch, self.model.dtype, self.model.device)
         self.eos, self.decode = engine.tokenizer.eos_ids, engine.tokenizer.decode
         self.waiting: deque[Job] = deque()
         self.active: list[Job] = []
@@ -217,9 +219,15 @@ class Scheduler:
             return False
         if job.cancelled:
             self.counts["cancelled"] += 1
-            job.cache = job.drafter = None
+            self._release(job)
             return False
         return True
+
+    def _release(self, job: Job) -> None:
+        """Give the job's cache back to the pool (the last one of a capacity frees its memory)."""
+        if job.cache is not None:
+            self.pool.give(job.cache)
+        job.cache = job.drafter = None
 
     def _guard(self, jobs: list[Job], step: Callable[..., None]) -> None:
         """Run ``step``; an unexpected failure ends these jobs with an error instead of the loop."""
@@ -232,13 +240,18 @@ class Scheduler:
                 self.counts["failed"] += 1
                 job.emit(Update(done=True, error=e))
                 job.finished = True
-                job.cache = job.drafter = None
+                self._release(job)
 
     def _start(self, jobs: list[Job]) -> None:
-        """Prefill a job's prompt into a fresh cache (as every strategy does) and emit its first token."""
+        """Prefill a job's prompt into a pooled cache (as every strategy does) and emit its first token."""
         (job,) = jobs
+
+        def lend(capacity: int) -> KVCache:
+            job.cache = self.pool.take(capacity)  # held by the job at once, so a failing prefill gives it back
+            return job.cache
+
         hidden: list = []
-        job.t0, job.stopper, job.cache, logits = begin(self.model, job.prompt, job.gen, self.eos, self.decode, hidden)
+        job.t0, job.stopper, _, logits = begin(self.model, job.prompt, job.gen, self.eos, self.decode, hidden, lend)
         job.sampler = Sampler(job.gen, self.model.device)
         if self.spec is not None:
             job.drafter = self.spec.make_drafter(job.cache)
@@ -256,7 +269,7 @@ class Scheduler:
             self.counts["completed"] += 1
             self.recent_seconds.append(time.perf_counter() - job.t0)
             job.emit(Update(new[:kept], True, job.stopper.reason, job.stats(self.method)))
-            job.cache = job.drafter = None
+            self._release(job)
         elif kept:
             job.emit(Update(new[:kept]))
 
