@@ -124,7 +124,7 @@ def test_explicit_pos_overwrites(model: Transformer) -> None:
 
 @pytest.mark.parametrize(
     ("prompt", "budget", "context", "capacity"),
-    [(10, 20, 8192, 256), (10, 182, 8192, 256), (10, 183, 8192, 512), (200, 64, 8192, 512), (250, 100, 300, 300)],
+    [(10, 20, 8192, 128), (10, 54, 8192, 128), (10, 55, 8192, 192), (200, 64, 8192, 384), (250, 100, 300, 300)],
 )
 def test_cache_capacity_rounds_up_to_a_size_class_within_the_context(prompt, budget, context, capacity) -> None:
     got = cache_capacity(prompt, budget, context)

@@ -123,7 +123,7 @@ def test_pooled_step_rows_attend_once_per_size_class_with_lone_step_bits(kernel)
     ctx = model.cfg.max_position_embeddings
     pool = KVPool(model.cfg, 4, model.dtype, model.device)
     g = torch.Generator().manual_seed(0)
-    lens = [5, 200, 40, 17, 230]  # capacities 256, 512, 256, 256, 512 for a 30-token budget
+    lens = [5, 200, 20, 17, 215]  # capacities 128, 320, 128, 128, 320 for a 30-token budget
     with torch.inference_mode():
         batch, alone = [], []
         for n in lens:
@@ -131,10 +131,10 @@ def test_pooled_step_rows_attend_once_per_size_class_with_lone_step_bits(kernel)
             for caches, new in ((batch, pool.take), (alone, model.new_cache)):
                 caches.append(new(cache_capacity(n, 30, ctx)))
                 model(prompt, caches[-1], 0)
-        assert sorted(c.max_len for c in batch) == [256, 256, 256, 512, 512]
+        assert sorted(c.max_len for c in batch) == [128, 128, 128, 320, 320]
         toks = [3, 9, 27, 1, 2]
         for step in range(6):
-            if step == 3:  # the first sequence leaves: the last 256-slot one moves into its item
+            if step == 3:  # the first sequence leaves: the last 128-slot one moves into its item
                 pool.give(batch.pop(0))
                 alone.pop(0)
                 toks.pop(0)
@@ -212,7 +212,7 @@ def test_concurrent_requests_are_batched_and_bit_identical(server, tiny_engine):
 
 
 def test_concurrent_requests_in_two_size_classes_attend_per_class_and_stay_bit_identical(tiny_model, monkeypatch):
-    """Prompts of different lengths in one size class (capacity 256) and in another (512), greedy and
+    """Prompts of different lengths in one size class (capacity 128) and in another (320), greedy and
     seeded, all at once: some step attends once per class over several requests; every answer equals
     ``Engine.generate`` alone."""
     eng = Engine(str(tiny_model(seed=3, max_position_embeddings=1024)), quiet=True)
@@ -227,7 +227,7 @@ def test_concurrent_requests_in_two_size_classes_attend_per_class_and_stay_bit_i
     monkeypatch.setattr(eng.model, "step_groups", recorded)
     g = torch.Generator().manual_seed(2)
     jobs = []
-    for i, n in enumerate([6, 30, 61, 200, 262, 330]):  # + 20 tokens + 64 slack: capacities 256 x 3, 512 x 3
+    for i, n in enumerate([6, 30, 40, 180, 200, 230]):  # + 20 tokens + 64 slack: capacities 128 x 3, 320 x 3
         gen = {"temperature": 0.8, "seed": i} if i in (1, 4) else {}
         jobs.append((torch.randint(3, 300, (n,), generator=g).tolist(), 20, gen))
     barrier = threading.Barrier(len(jobs))

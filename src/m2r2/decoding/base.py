@@ -108,9 +108,10 @@ class Strategy(Protocol):
 #: so all strategies must allocate the *same* capacity for their outputs to be bit-identical.
 CACHE_SLACK = 64
 #: Capacities are rounded up to a multiple of this (a size class): ``m2r2 serve`` attends over the
-#: caches of one class in one call (``Transformer.step_rows``), so the fewer classes the better, while
-#: every slot past a sequence's length costs a lone step attention work (BENCHMARKS.md, "Serving").
-CACHE_CLASS = 256
+#: caches of one class in one call (``Transformer.step_rows``). Small, because attention over a few
+#: rows costs in proportion to the capacity (it is memory-bound on a CPU), while one more class in a
+#: batched step costs one more call, ~20 us per layer (BENCHMARKS.md, "Serving").
+CACHE_CLASS = 64
 
 
 def cache_capacity(prompt_len: int, budget: int, context: int) -> int:
