@@ -134,18 +134,18 @@ def test_cache_capacity_rounds_up_to_a_size_class_within_the_context(prompt, bud
 
 def test_pool_lends_zeroed_items_kept_contiguous_and_frees_idle_classes() -> None:
     cfg = ModelConfig(num_layers=2, num_kv_heads=1, head_dim=4)
-    pool = KVPool(cfg, items=3, dtype=torch.float32, device="cpu")
+    pool = KVPool(cfg, items=3, dtype=torch.bfloat16, device="cpu", store=torch.float32)
     a, b, c = (pool.take(8) for _ in range(3))
     other = pool.take(16)  # another capacity: another base
     assert [x.item for x in (a, b, c, other)] == [0, 1, 2, 0] and a.base is b.base is not other.base
     with pytest.raises(InputError, match="lent out"):
         pool.take(8)
     for i, x in enumerate((a, b, c)):
-        x.write(1, 0, torch.full((1, 1, 5, 4), float(i + 1)), torch.full((1, 1, 5, 4), -float(i + 1)))
+        x.write(1, 0, torch.full((1, 1, 5, 4), i + 1.5), torch.full((1, 1, 5, 4), -i - 1.5))
         x.length = 5
-    assert torch.equal(a.base.k[1, 2, 0, :5], torch.full((5, 4), 3.0))  # writes land in the shared base
+    assert torch.equal(a.base.k[1, 2, 0, :5], torch.full((5, 4), 3.5))  # lands in the base, in float32
     pool.give(a)  # the last item (c) moves into the gap, contents and length included
-    assert c.item == 0 and c.length == 5 and torch.equal(c.k[1, 0, 0, :5], torch.full((5, 4), 3.0))
+    assert c.item == 0 and c.length == 5 and torch.equal(c.view(1, 5)[0], torch.full((1, 1, 5, 4), 3.5).bfloat16())
     assert CacheRows(sorted([b, c], key=lambda x: x.item)).k is not None  # still one view
     d = pool.take(8)  # a reused item starts zeroed, like a fresh cache
     assert d.item == 2 and not d.k.any() and not d.v.any()
@@ -156,20 +156,22 @@ def test_pool_lends_zeroed_items_kept_contiguous_and_frees_idle_classes() -> Non
     assert len(pool) == 0 and not pool.lent
 
 
-def test_cache_rows_append_one_token_per_cache_through_a_view_or_a_stack() -> None:
+@pytest.mark.parametrize("store", [None, torch.float32])
+def test_cache_rows_append_one_token_per_cache_through_a_view_or_a_stack(store) -> None:
     cfg = ModelConfig(num_layers=2, num_kv_heads=2, head_dim=4)
-    pool = KVPool(cfg, items=2, dtype=torch.float32, device="cpu")
+    pool = KVPool(cfg, items=2, dtype=torch.bfloat16, device="cpu", store=store)
     pooled = [pool.take(8), pool.take(8)]
-    lone = [KVCache(cfg, 8), KVCache(cfg, 8)]
+    lone = [KVCache(cfg, 8, dtype=torch.bfloat16), KVCache(cfg, 8, dtype=torch.bfloat16)]
+    k = torch.randn(2, 2, 1, 4, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     for caches in (pooled, lone):
         caches[0].length, caches[1].length = 3, 6
-        k = torch.randn(2, 2, 1, 4, generator=torch.Generator().manual_seed(0))
         rows = CacheRows(caches)
         assert (rows.k is not None) == (caches is pooled)
         keys, values = rows.append(1, k, -k)
-        assert keys.shape == (2, 2, 8, 4)
+        assert keys.shape == (2, 2, 8, 4) and keys.dtype == caches[0].k.dtype  # the store's dtype
         for b, (c, pos) in enumerate(zip(caches, (3, 6), strict=True)):
-            assert torch.equal(c.k[1, 0, :, pos], k[b, :, 0]) and torch.equal(c.v[1, 0, :, pos], -k[b, :, 0])
+            ck, cv = c.view(1, 8)
+            assert torch.equal(ck[0, :, pos], k[b, :, 0]) and torch.equal(cv[0, :, pos], -k[b, :, 0])
             assert torch.equal(keys[b], c.k[1, 0]) and torch.equal(values[b], c.v[1, 0])
     pooled[1].length = 8
     with pytest.raises(InputError, match="overflow"):

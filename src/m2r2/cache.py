@@ -19,7 +19,14 @@ from m2r2.errors import InputError
 
 
 class KVCache:
-    """Keys and values of every verified position, for every layer."""
+    """Keys and values of every verified position, for every layer.
+
+    ``store`` is the dtype they are kept in (default ``dtype``, what :meth:`view` returns). A float32
+    store for a low-precision model holds the same values exactly: attention over a few query rows
+    computes in float32 on a CPU (``model._row_math``), and a batched step over several sequences
+    then reads their caches as they are instead of converting them all every step (BENCHMARKS.md,
+    "Serving"), at twice the memory.
+    """
 
     def __init__(
         self,
@@ -29,13 +36,15 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         zero: bool = True,
+        store: torch.dtype | None = None,
     ) -> None:
         if max_len <= 0:
             raise InputError(f"KV cache length must be positive, got {max_len}")
         shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
         new = torch.zeros if zero else torch.empty
-        self.k = new(shape, dtype=dtype, device=device)
-        self.v = new(shape, dtype=dtype, device=device)
+        self.k = new(shape, dtype=store or dtype, device=device)
+        self.v = new(shape, dtype=store or dtype, device=device)
+        self.dtype = dtype
         self.max_len = max_len
         self.length = 0
         #: the cache whose batch item ``item`` this one is, when lent by a :class:`KVPool` (else None)
@@ -55,8 +64,10 @@ class KVCache:
         self.v[layer, :, :, pos:end] = v
 
     def view(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of positions ``0 .. end-1`` at ``layer`` (views, no copy)."""
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        """Keys and values of positions ``0 .. end-1`` at ``layer`` (views, no copy, unless stored in
+        another dtype)."""
+        k, v = self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        return (k, v) if k.dtype == self.dtype else (k.to(self.dtype), v.to(self.dtype))
 
     def truncate(self, length: int) -> None:
         """Roll back to ``length`` verified positions."""
@@ -80,7 +91,7 @@ class KVCache:
     def lend(self, item: int) -> KVCache:
         """A one-sequence cache over batch item ``item`` of this one (views: writes land here)."""
         c = object.__new__(KVCache)
-        c.max_len, c.length, c.base = self.max_len, 0, self
+        c.dtype, c.max_len, c.length, c.base = self.dtype, self.max_len, 0, self
         c.point(item)
         return c
 
@@ -100,11 +111,18 @@ class KVPool:
     shared cache: when one leaves, the last one moves into its place (one copy per departure, not
     per step), so the n items in use stay a contiguous view. A capacity's memory is allocated when
     its first sequence arrives and freed when its last one leaves; a lent item is zeroed, so it
-    starts exactly like a fresh :class:`KVCache`.
+    starts exactly like a fresh :class:`KVCache`. ``store``: see :class:`KVCache`.
     """
 
-    def __init__(self, cfg: ModelConfig, items: int, dtype: torch.dtype, device: torch.device | str) -> None:
-        self.cfg, self.items, self.dtype, self.device = cfg, items, dtype, device
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        items: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        store: torch.dtype | None = None,
+    ) -> None:
+        self.cfg, self.items, self.dtype, self.device, self.store = cfg, items, dtype, device, store
         self.lent: dict[int, list[KVCache]] = {}  # capacity -> lent caches, by batch item
 
     def take(self, max_len: int) -> KVCache:
@@ -113,8 +131,9 @@ class KVPool:
             raise InputError(f"all {self.items} caches of capacity {max_len} are lent out")
         if lent:
             cache = lent[0].base.lend(len(lent))  # type: ignore[union-attr]
-        else:  # items are zeroed when lent: untouched ones cost no memory
-            cache = KVCache(self.cfg, max_len, self.items, self.dtype, self.device, zero=False).lend(0)
+        else:  # items are zeroed when lent: pages of items never lent are never touched
+            base = KVCache(self.cfg, max_len, self.items, self.dtype, self.device, zero=False, store=self.store)
+            cache = base.lend(0)
         cache.k.zero_()
         cache.v.zero_()
         lent.append(cache)
@@ -142,9 +161,9 @@ class CacheRows:
     """One new token per sequence for a batched decoding step over caches of one capacity.
 
     :meth:`append` writes every sequence's keys and values of a layer at its own length and returns
-    the layer's whole caches as ``[B, kv_heads, max_len, head_dim]``: a view where the caches are
-    consecutive items of one base (what :class:`KVPool` keeps them; a lone cache is too), else a
-    stacked copy (measured in BENCHMARKS.md, "Serving").
+    the layer's whole caches as ``[B, kv_heads, max_len, head_dim]`` in their store's dtype: a view
+    where the caches are consecutive items of one base (what :class:`KVPool` keeps them; a lone cache
+    is too), else a stacked copy (measured in BENCHMARKS.md, "Serving").
     """
 
     def __init__(self, caches: list[KVCache]) -> None:
@@ -154,12 +173,12 @@ class CacheRows:
         if any(c.length >= c.max_len for c in caches):
             raise InputError(f"KV cache overflow: capacity {first.max_len} is full")
         self.caches = caches
-        self.k: torch.Tensor | None = None
+        self.k: torch.Tensor | None = None  # [layers, B, kv_heads, max_len, head_dim] views, where one base
         self.v: torch.Tensor | None = None
         base = first.base or first
         if all((c.base or c) is base and c.item == first.item + i for i, c in enumerate(caches)):
             items = slice(first.item, first.item + len(caches))
-            self.k, self.v = base.k[:, items], base.v[:, items]  # [layers, B, kv_heads, S, D]
+            self.k, self.v = base.k[:, items], base.v[:, items]
             self.batch = torch.arange(len(caches), device=first.k.device)
             self.pos = torch.tensor([c.length for c in caches], device=first.k.device)
 
@@ -169,6 +188,6 @@ class CacheRows:
             for b, c in enumerate(self.caches):
                 c.write(layer, c.length, k[b : b + 1], v[b : b + 1])
             return torch.cat([c.k[layer] for c in self.caches]), torch.cat([c.v[layer] for c in self.caches])
-        self.k[layer, self.batch, :, self.pos] = k[:, :, 0]
-        self.v[layer, self.batch, :, self.pos] = v[:, :, 0]
+        self.k[layer, self.batch, :, self.pos] = k[:, :, 0].to(self.k.dtype)
+        self.v[layer, self.batch, :, self.pos] = v[:, :, 0].to(self.v.dtype)
         return self.k[layer], self.v[layer]

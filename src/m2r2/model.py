@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from m2r2.cache import CacheRows, KVCache
+from m2r2.cache import CacheRows, KVCache, KVPool
 from m2r2.config import ModelConfig, rope_inv_freq
 
 #: Optional low-rank deltas keyed by projection name ("qkv", "o", "gate_up", "down"): each maps
@@ -174,12 +174,19 @@ def _row_math(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, gqa: bool, stack: b
     return out.permute(0, 2, 1, 3, 4).reshape(b, t, h, d).to(q.dtype)
 
 
+def attends_in_float32(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether passes of a few query rows attend through :func:`_row_math` (float32 matmuls): for
+    low-precision tensors on a CPU. It may then be given float32 keys and values (a float32-stored
+    ``KVCache``) with the same bits as a result."""
+    return device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
+
+
 def _few_rows(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, gqa: bool) -> Tensor:
     """Row-invariant attention for up to :data:`ROW_INVARIANT_MAX_ROWS` rows, ``[B, T, H, D]``:
     :func:`_row_math` for low-precision CPU tensors (faster there), else the fused kernel with every
     row as its own batch item (float32 keeps the kernel transformers uses, so the reference mode
     matches it exactly)."""
-    if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
+    if attends_in_float32(q.dtype, q.device):
         return _row_math(q, k, v, mask, gqa)
     return _one_row_each(q, k, v, mask, gqa)
 
@@ -485,6 +492,12 @@ class Transformer(nn.Module):
 
     def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
         return KVCache(self.cfg, max_len, batch, dtype=self.dtype, device=self.device)
+
+    def new_pool(self, items: int) -> KVPool:
+        """Caches for up to ``items`` sequences per capacity that :meth:`step_rows` attends over together
+        (stored in float32 where attention computes in float32)."""
+        store = torch.float32 if attends_in_float32(self.dtype, self.device) else None
+        return KVPool(self.cfg, items, self.dtype, self.device, store)
 
     def rope(self, pos: int, length: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         cos, sin = self.rope_cos[pos : pos + length], self.rope_sin[pos : pos + length]

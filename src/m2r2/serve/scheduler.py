@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from m2r2.cache import KVPool
 from m2r2.decoding.base import GenerationConfig, Sampler, Stopper, begin
 from m2r2.decoding.speculative import SelfSpeculative
 from m2r2.decoding.tree import TreeSpeculative
@@ -123,7 +122,7 @@ class Scheduler:
                 )
             self.spec = strategy
         self.max_batch, self.max_queue = max_batch, max_queue
-        self.pool = KVPool(self.model.cfg, max_batch, self.model.dtype, self.model.device)
+        self.pool = self.model.new_pool(max_batch)
         self.eos, self.decode = engine.tokenizer.eos_ids, engine.tokenizer.decode
         self.waiting: deque[Job] = deque()
         self.active: list[Job] = []
