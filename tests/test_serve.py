@@ -458,3 +458,20 @@ def test_cli_bench_suite_serve_writes_the_results_schema(capsys, tiny_model, tmp
         assert v["identical"] == 1.0 and "itl_p95_s" in v
     assert (tmp_path / "results.md").is_file() and (tmp_path / "serve.png").is_file()
     assert "| 2 |" in capsys.readouterr().out
+
+
+def test_cli_bench_suite_serve_soak_is_bounded_and_reports_lost_answers_and_rss(capsys, tiny_model, tmp_path):
+    """A few seconds of the soak (``--soak-minutes 10`` is the real one): mixed traffic, nothing lost."""
+    from m2r2.cli import main
+
+    model = tiny_model(seed=3, max_position_embeddings=1024)
+    t0 = time.monotonic()
+    argv = ["bench", "--suite", "serve", "--model", str(model), "--streams", "4", "--soak-minutes", "0.05"]
+    assert main([*argv, "--out", str(tmp_path)]) == 0
+    assert time.monotonic() - t0 < 60
+    res = json.loads((tmp_path / "soak.json").read_text())
+    assert res["ok"] and res["completions_lost"] == 0 and res["all_answered"] and not res["failures"]
+    assert res["sent"] == sum(t["sent"] for t in res["requests"].values()) > 4
+    assert res["server"]["active"] == res["server"]["waiting"] == res["server"]["failed"] == 0
+    assert set(res["rss_mib"]) == {"start", "after_warmup", "max_after_warmup", "end"} and res["rss_bound_mib"] > 0
+    assert json.loads(capsys.readouterr().out)["ok"]
