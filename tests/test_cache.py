@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from conftest import TINY_VOCAB
-from m2r2.cache import KVCache
+from m2r2.cache import CacheRows, KVCache, KVPool
 from m2r2.config import ModelConfig
+from m2r2.decoding.base import CACHE_CLASS, cache_capacity
 from m2r2.errors import InputError
 from m2r2.loading import load_model
 from m2r2.model import Transformer
@@ -119,3 +120,59 @@ def test_explicit_pos_overwrites(model: Transformer) -> None:
     assert cache.length == 9
     fresh = model(torch.cat([a[:, :6], b], dim=1), model.new_cache(16), 0)
     torch.testing.assert_close(got, fresh[:, 6:], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "budget", "context", "capacity"),
+    [(10, 20, 8192, 128), (10, 54, 8192, 128), (10, 55, 8192, 192), (200, 64, 8192, 384), (250, 100, 300, 300)],
+)
+def test_cache_capacity_rounds_up_to_a_size_class_within_the_context(prompt, budget, context, capacity) -> None:
+    got = cache_capacity(prompt, budget, context)
+    assert got == capacity and got >= min(context, prompt + budget)
+    assert got == context or got % CACHE_CLASS == 0
+
+
+def test_pool_lends_zeroed_items_kept_contiguous_and_frees_idle_classes() -> None:
+    cfg = ModelConfig(num_layers=2, num_kv_heads=1, head_dim=4)
+    pool = KVPool(cfg, items=3, dtype=torch.bfloat16, device="cpu", store=torch.float32)
+    a, b, c = (pool.take(8) for _ in range(3))
+    other = pool.take(16)  # another capacity: another base
+    assert [x.item for x in (a, b, c, other)] == [0, 1, 2, 0] and a.base is b.base is not other.base
+    with pytest.raises(InputError, match="lent out"):
+        pool.take(8)
+    for i, x in enumerate((a, b, c)):
+        x.write(1, 0, torch.full((1, 1, 5, 4), i + 1.5), torch.full((1, 1, 5, 4), -i - 1.5))
+        x.length = 5
+    assert torch.equal(a.base.k[1, 2, 0, :5], torch.full((5, 4), 3.5))  # lands in the base, in float32
+    pool.give(a)  # the last item (c) moves into the gap, contents and length included
+    assert c.item == 0 and c.length == 5 and torch.equal(c.view(1, 5)[0], torch.full((1, 1, 5, 4), 3.5).bfloat16())
+    assert CacheRows(sorted([b, c], key=lambda x: x.item)).k is not None  # still one view
+    d = pool.take(8)  # a reused item starts zeroed, like a fresh cache
+    assert d.item == 2 and not d.k.any() and not d.v.any()
+    with pytest.raises(ValueError, match="not lent"):
+        pool.give(a)
+    for x in (b, c, d, other):
+        pool.give(x)
+    assert len(pool) == 0 and not pool.lent
+
+
+@pytest.mark.parametrize("store", [None, torch.float32])
+def test_cache_rows_append_one_token_per_cache_through_a_view_or_a_stack(store) -> None:
+    cfg = ModelConfig(num_layers=2, num_kv_heads=2, head_dim=4)
+    pool = KVPool(cfg, items=2, dtype=torch.bfloat16, device="cpu", store=store)
+    pooled = [pool.take(8), pool.take(8)]
+    lone = [KVCache(cfg, 8, dtype=torch.bfloat16), KVCache(cfg, 8, dtype=torch.bfloat16)]
+    k = torch.randn(2, 2, 1, 4, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    for caches in (pooled, lone):
+        caches[0].length, caches[1].length = 3, 6
+        rows = CacheRows(caches)
+        assert (rows.k is not None) == (caches is pooled)
+        keys, values = rows.append(1, k, -k)
+        assert keys.shape == (2, 2, 8, 4) and keys.dtype == caches[0].k.dtype  # the store's dtype
+        for b, (c, pos) in enumerate(zip(caches, (3, 6), strict=True)):
+            ck, cv = c.view(1, 8)
+            assert torch.equal(ck[0, :, pos], k[b, :, 0]) and torch.equal(cv[0, :, pos], -k[b, :, 0])
+            assert torch.equal(keys[b], c.k[1, 0]) and torch.equal(values[b], c.v[1, 0])
+    pooled[1].length = 8
+    with pytest.raises(InputError, match="overflow"):
+        CacheRows(pooled)

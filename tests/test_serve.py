@@ -97,6 +97,58 @@ def test_step_rows_gives_each_sequence_its_lone_step_bits(kernel):
             assert a.length == b.length and torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 2, 8), (9, 3, 64)])  # test_speculative's, SmolLM2's
+def test_attention_over_several_caches_gives_each_its_lone_bits(dtype, heads, kv_heads, head_dim):
+    """Batch items are independent products of a lone step's shape: on this machine that keeps bits."""
+    from m2r2.model import batches_requests_exactly
+
+    assert batches_requests_exactly(heads, kv_heads, head_dim, dtype, "cpu", torch.get_num_threads())
+
+
+@pytest.mark.parametrize("kernel", ["plain", "mkldnn", "q4"])
+def test_pooled_step_rows_attend_once_per_size_class_with_lone_step_bits(kernel):
+    """Five sequences in two size classes of one pool, interleaved: one attention call per class, and
+    every row, and every cache, equal to lone steps; also after a sequence leaves mid-way (the last
+    one of its class moves into its place)."""
+    from m2r2.decoding.base import cache_capacity
+    from m2r2.kernels import mkldnn_usable, q4_usable, use_kernels
+    from test_speculative import tiny_model as random_model
+
+    model = random_model(4, dtype=torch.bfloat16)
+    if (kernel == "mkldnn" and not mkldnn_usable(model)) or (kernel == "q4" and not q4_usable(model)):
+        pytest.skip(f"{kernel} kernels unavailable here")
+    use_kernels(model, kernel)
+    ctx = model.cfg.max_position_embeddings
+    pool = model.new_pool(4)
+    g = torch.Generator().manual_seed(0)
+    lens = [5, 200, 20, 17, 215]  # capacities 128, 320, 128, 128, 320 for a 30-token budget
+    with torch.inference_mode():
+        batch, alone = [], []
+        for n in lens:
+            prompt = torch.randint(0, 64, (1, n), generator=g)
+            for caches, new in ((batch, pool.take), (alone, model.new_cache)):
+                caches.append(new(cache_capacity(n, 30, ctx)))
+                model(prompt, caches[-1], 0)
+        assert sorted(c.max_len for c in batch) == [128, 128, 128, 320, 320]
+        toks = [3, 9, 27, 1, 2]
+        for step in range(6):
+            if step == 3:  # the first sequence leaves: the last 128-slot one moves into its item
+                pool.give(batch.pop(0))
+                alone.pop(0)
+                toks.pop(0)
+            groups = model.step_groups(batch)
+            assert sorted(len(gr.cache.caches) for gr in groups) == ([2, 3] if step < 3 else [2, 2])
+            assert all(gr.cache.k is not None for gr in groups)  # pooled: views, no copy
+            hidden = model.step_rows(toks, batch)
+            for b, cache in enumerate(alone):
+                h = model.run_layers(model.embed_tokens(torch.tensor([[toks[b]]])), cache, cache.length)
+                assert torch.equal(hidden[b], h[0])
+            toks = [int(model.head(hidden[b : b + 1])[0, 0].argmax()) for b in range(len(batch))]
+        for a, b in zip(batch, alone, strict=True):  # (the pool stores float32 where attention computes in it)
+            assert a.length == b.length and torch.equal(a.k, b.k.to(a.k.dtype)) and torch.equal(a.v, b.v.to(a.v.dtype))
+
+
 def test_text_stream_never_sends_past_a_stop_string():
     text = "abc STOP def"
     ts = TextStream(lambda ids: text[: len(ids)], ["STOP"])
@@ -156,6 +208,42 @@ def test_concurrent_requests_are_batched_and_bit_identical(server, tiny_engine):
     for (ids, n, gen), text in zip(jobs, got, strict=True):
         assert text == solo(tiny_engine, ids, n, **gen)
     assert wait_idle(server)["peak_batch"] >= 2
+
+
+def test_concurrent_requests_in_two_size_classes_attend_per_class_and_stay_bit_identical(tiny_model, monkeypatch):
+    """Prompts of different lengths in one size class (capacity 128) and in another (320), greedy and
+    seeded, all at once: some step attends once per class over several requests; every answer equals
+    ``Engine.generate`` alone."""
+    eng = Engine(str(tiny_model(seed=3, max_position_embeddings=1024)), quiet=True)
+    seen: list[list[int]] = []
+    step_groups = eng.model.step_groups
+
+    def recorded(caches):
+        groups = step_groups(caches)
+        seen.append(sorted(len(gr.cache.caches) for gr in groups))
+        return groups
+
+    monkeypatch.setattr(eng.model, "step_groups", recorded)
+    g = torch.Generator().manual_seed(2)
+    jobs = []
+    for i, n in enumerate([6, 30, 40, 180, 200, 230]):  # + 20 tokens + 64 slack: capacities 128 x 3, 320 x 3
+        gen = {"temperature": 0.8, "seed": i} if i in (1, 4) else {}
+        jobs.append((torch.randint(3, 300, (n,), generator=g).tolist(), 20, gen))
+    barrier = threading.Barrier(len(jobs))
+    with background(create_app(eng, SlowScheduler(eng, "vanilla", max_batch=8), MODEL)) as url:
+        c = client(url)
+
+        def ask(job):
+            ids, n, gen = job
+            barrier.wait()
+            return c.completions.create(model=MODEL, prompt=ids, max_tokens=n, **gen).choices[0].text
+
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            got = list(pool.map(ask, jobs))
+        assert wait_idle(url)["peak_batch"] >= 4
+    for (ids, n, gen), text in zip(jobs, got, strict=True):
+        assert text == solo(eng, ids, n, **gen)
+    assert any(len(sizes) == 2 and max(sizes) >= 2 for sizes in seen), seen
 
 
 def _post(url: str, path: str, body, headers=None) -> httpx.Response:
@@ -335,6 +423,20 @@ def test_bundled_model_m2r2_alone_and_batched_together_is_lossless(real_engine_b
 # --------------------------------------------------------------------------- command line
 
 
+def test_serve_kernel_auto_takes_mkldnn_only_for_large_batches_on_amx(monkeypatch):
+    from m2r2.serve import scheduler
+    from m2r2.serve.scheduler import MKLDNN_FROM_BATCH, serve_kernel
+
+    monkeypatch.setattr(scheduler, "cpu_has", lambda flag: flag == "amx_bf16")
+    big = MKLDNN_FROM_BATCH
+    assert serve_kernel("auto", big, "bf16", "cpu") == "mkldnn"
+    assert serve_kernel("auto", big - 1, "bf16", "cpu") == "auto"  # the default batch: q4 wins below
+    assert serve_kernel("q4", big, "bf16", "cpu") == "q4"  # an explicit choice is kept
+    assert serve_kernel("auto", big, "fp32", "cpu") == serve_kernel("auto", big, "bf16", "cuda") == "auto"
+    monkeypatch.setattr(scheduler, "cpu_has", lambda flag: False)
+    assert serve_kernel("auto", big, "bf16", "cpu") == "auto"
+
+
 def test_cli_serve_refuses_methods_it_cannot_batch(capsys, tiny_model):
     from m2r2.cli import main
 
@@ -356,3 +458,20 @@ def test_cli_bench_suite_serve_writes_the_results_schema(capsys, tiny_model, tmp
         assert v["identical"] == 1.0 and "itl_p95_s" in v
     assert (tmp_path / "results.md").is_file() and (tmp_path / "serve.png").is_file()
     assert "| 2 |" in capsys.readouterr().out
+
+
+def test_cli_bench_suite_serve_soak_is_bounded_and_reports_lost_answers_and_rss(capsys, tiny_model, tmp_path):
+    """A few seconds of the soak (``--soak-minutes 10`` is the real one): mixed traffic, nothing lost."""
+    from m2r2.cli import main
+
+    model = tiny_model(seed=3, max_position_embeddings=1024)
+    t0 = time.monotonic()
+    argv = ["bench", "--suite", "serve", "--model", str(model), "--streams", "4", "--soak-minutes", "0.05"]
+    assert main([*argv, "--out", str(tmp_path)]) == 0
+    assert time.monotonic() - t0 < 60
+    res = json.loads((tmp_path / "soak.json").read_text())
+    assert res["ok"] and res["completions_lost"] == 0 and res["all_answered"] and not res["failures"]
+    assert res["sent"] == sum(t["sent"] for t in res["requests"].values()) > 4
+    assert res["server"]["active"] == res["server"]["waiting"] == res["server"]["failed"] == 0
+    assert set(res["rss_mib"]) == {"start", "after_warmup", "max_after_warmup", "end"} and res["rss_bound_mib"] > 0
+    assert json.loads(capsys.readouterr().out)["ok"]

@@ -290,7 +290,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from m2r2.serve.app import build, model_id, serve
+    from m2r2.serve.scheduler import serve_kernel
 
+    args.kernel = serve_kernel(args.kernel, args.max_batch, args.dtype, args.device)
     engine = _engine(args)
     name = model_id(args.model, engine.model_dir)
     app = build(engine, name, args.method, args.max_batch, args.max_queue, args.api_key)
@@ -302,10 +304,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
-    from m2r2.serve.loadgen import run_serve_suite, run_soak
+    from m2r2.serve.loadgen import STREAMS, run_serve_suite, run_soak
+    from m2r2.serve.scheduler import serve_kernel
 
-    engine = _engine(args)
     streams = [int(s) for s in _csv(args.streams) or []] or None
+    args.kernel = serve_kernel(args.kernel, max(streams or STREAMS), args.dtype, args.device)  # as `m2r2 serve`
+    engine = _engine(args)
     if args.soak_minutes:
         result = run_soak(engine, Path(args.out), args.soak_minutes, max(streams or [8]), method=args.serve_method)
         print(json.dumps(result, indent=2))
@@ -578,7 +582,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="an OpenAI-compatible HTTP server (chat/completions, streaming, continuous batching)",
         description="Serves POST /v1/chat/completions, POST /v1/completions, GET /v1/models and GET /health. "
         "Concurrent requests decode together in one batch; a lone request decodes with --method (m2r2 "
-        "speculation by default for the bundled model).",
+        "speculation by default for the bundled model). --kernel auto serves with q4, or from --max-batch 16 "
+        "on an AMX CPU with mkldnn (flat in batch rows; see src/m2r2/serve/scheduler.py).",
     )
     sv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     sv.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")

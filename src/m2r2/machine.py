@@ -31,6 +31,15 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_has(flag: str) -> bool:
+    """Whether the CPU reports ``flag`` in ``/proc/cpuinfo`` (e.g. ``amx_bf16``); False where unknown."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(line.startswith("flags") and flag in line.split() for line in text.splitlines())
+
+
 def available_cores() -> int:
     """Cores this process may run on (its affinity mask, not the machine's total)."""
     try:

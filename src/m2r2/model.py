@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from m2r2.cache import KVCache
+from m2r2.cache import CacheRows, KVCache, KVPool
 from m2r2.config import ModelConfig, rope_inv_freq
 
 #: Optional low-rank deltas keyed by projection name ("qkv", "o", "gate_up", "down"): each maps
@@ -174,12 +174,19 @@ def _row_math(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, gqa: bool, stack: b
     return out.permute(0, 2, 1, 3, 4).reshape(b, t, h, d).to(q.dtype)
 
 
+def attends_in_float32(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether passes of a few query rows attend through :func:`_row_math` (float32 matmuls): for
+    low-precision tensors on a CPU. It may then be given float32 keys and values (a float32-stored
+    ``KVCache``) with the same bits as a result."""
+    return device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
+
+
 def _few_rows(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, gqa: bool) -> Tensor:
     """Row-invariant attention for up to :data:`ROW_INVARIANT_MAX_ROWS` rows, ``[B, T, H, D]``:
     :func:`_row_math` for low-precision CPU tensors (faster there), else the fused kernel with every
     row as its own batch item (float32 keeps the kernel transformers uses, so the reference mode
     matches it exactly)."""
-    if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
+    if attends_in_float32(q.dtype, q.device):
         return _row_math(q, k, v, mask, gqa)
     return _one_row_each(q, k, v, mask, gqa)
 
@@ -207,6 +214,45 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | GappedMask | None) ->
     if mask is None or t > ROW_INVARIANT_MAX_ROWS:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
     return _few_rows(q, k, v, mask, gqa).transpose(1, 2)
+
+
+@functools.cache
+def batches_requests_exactly(
+    heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: str, threads: int
+) -> bool:
+    """Whether one :func:`attend` call over several sequences (one query row and one cache each, as
+    batch items) gives every sequence the bits of its own one-row decoding step, probed once per head
+    shape, dtype, device and thread count.
+
+    Each batch item is the same small product as a lone step, but a BLAS may choose its blocking or
+    threading by the batch size, so a probe over batch sizes and cache lengths decides (measured exact
+    on the AMX Xeon for SmolLM2's and the tests' tiny models' heads). Where it fails, a batched step
+    attends per sequence (:meth:`Transformer.step_groups`), as before batching.
+    """
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int) -> Tensor:
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+    for s in (STACKED_MIN_KEYS, 200, 1024):
+        for b in (2, 3, 8):
+            q, k, v = rand(b, heads, 1, head_dim), rand(b, kv_heads, s, head_dim), rand(b, kv_heads, s, head_dim)
+            mask = torch.arange(s)[None, :] < torch.randint(1, s + 1, (b, 1), generator=gen)
+            whole = attend(q, k, v, mask.to(device)[:, None])
+            for i in range(b):
+                alone = attend(q[i : i + 1], k[i : i + 1], v[i : i + 1], mask[i : i + 1].to(device))
+                if not torch.equal(whole[i : i + 1], alone):
+                    return False
+    return True
+
+
+class StepGroup(NamedTuple):
+    """Sequences of a batched decoding step that attend in one call: their rows in the step (None:
+    all rows, in order), their caches, and their masks ``[B, 1, max_len]``."""
+
+    rows: Tensor | None
+    cache: CacheRows
+    mask: Tensor
 
 
 class Attention(nn.Module):
@@ -382,21 +428,22 @@ class Block(nn.Module):
         a = x + self.attn.out(attend(q, keys, values, mask))
         return a + self.mlp(self.mlp_norm(a), resid=a)
 
-    def step_rows(
-        self, x: Tensor, cos: Tensor, sin: Tensor, caches: list[KVCache], layer: int, masks: list[Tensor]
-    ) -> Tensor:
-        """One decoding step of ``len(caches)`` sequences (``x``: ``[B, 1, d]``, row b for ``caches[b]``).
+    def step_rows(self, x: Tensor, cos: Tensor, sin: Tensor, groups: list[StepGroup], layer: int) -> Tensor:
+        """One decoding step of several sequences (``x``: ``[B, 1, d]``, one row per sequence).
 
-        Projections and the MLP see all rows at once; attention runs per sequence over its own
-        cache exactly as :meth:`forward` runs it for one, so each row gets a lone step's bits.
+        Projections and the MLP see all rows at once; attention runs once per group of sequences
+        whose caches share a capacity (:class:`StepGroup`), each row a batch item of the one-row
+        computation :meth:`forward` runs for a lone sequence, so each row gets a lone step's bits.
         """
         q, k, v = self.attn.qkv(self.attn_norm(x), cos, sin)
-        outs = []
-        for b, (cache, mask) in enumerate(zip(caches, masks, strict=True)):
-            cache.write(layer, cache.length, k[b : b + 1], v[b : b + 1])
-            keys, values = cache.view(layer, mask.shape[-1])
-            outs.append(attend(q[b : b + 1], keys, values, mask))
-        a = x + self.attn.out(torch.cat(outs))
+        if len(groups) == 1 and groups[0].rows is None:  # one group in row order: no gather
+            (g,) = groups
+            o = attend(q, *g.cache.append(layer, k, v), g.mask)
+        else:
+            o = torch.empty_like(q)
+            for g in groups:
+                o[g.rows] = attend(q[g.rows], *g.cache.append(layer, k[g.rows], v[g.rows]), g.mask)
+        a = x + self.attn.out(o)
         return a + self.mlp(self.mlp_norm(a), resid=a)
 
 
@@ -445,6 +492,12 @@ class Transformer(nn.Module):
 
     def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
         return KVCache(self.cfg, max_len, batch, dtype=self.dtype, device=self.device)
+
+    def new_pool(self, items: int) -> KVPool:
+        """Caches for up to ``items`` sequences per capacity that :meth:`step_rows` attends over together
+        (stored in float32 where attention computes in float32)."""
+        store = torch.float32 if attends_in_float32(self.dtype, self.device) else None
+        return KVPool(self.cfg, items, self.dtype, self.device, store)
 
     def rope(self, pos: int, length: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         cos, sin = self.rope_cos[pos : pos + length], self.rope_sin[pos : pos + length]
@@ -516,20 +569,43 @@ class Transformer(nn.Module):
         appended to its own cache.
 
         Continuous batching: sequences of different lengths and capacities decode together. The
-        layers' kernels are row-invariant and attention runs per cache (:meth:`Block.step_rows`), so
-        row b is bit-identical to the hidden state of ``self(tokens[b:b+1], caches[b])`` alone. The
-        head is left to the caller: oneDNN's bf16 head gives one row other bits than several rows.
+        layers' kernels are row-invariant and attention runs once per capacity over the sequences'
+        stacked caches, each a batch item of a lone step's computation (:func:`batches_requests_exactly`
+        checks that this keeps bits on this machine, else each sequence attends alone), so row b is
+        bit-identical to the hidden state of ``self(tokens[b:b+1], caches[b])`` alone. The head is
+        left to the caller: oneDNN's bf16 head gives one row other bits than several rows.
         """
         x = self.embed_tokens(torch.tensor(tokens, device=self.device)[:, None])
         ropes = [self.rope(c.length, 1, x.dtype) for c in caches]
         cos = torch.stack([c for c, _ in ropes])[:, None]  # [B, 1, 1, D]: each row at its own position
         sin = torch.stack([s for _, s in ropes])[:, None]
-        masks = [self.causal_mask(c.length, 1, c.max_len) for c in caches]
+        groups = self.step_groups(caches)
         for i, layer in enumerate(self.layers):
-            x = layer.step_rows(x, cos, sin, caches, i, masks)
+            x = layer.step_rows(x, cos, sin, groups, i)
         for c in caches:
             c.length += 1
         return x
+
+    def step_groups(self, caches: list[KVCache]) -> list[StepGroup]:
+        """The sequences of a batched step grouped by cache capacity (each alone where batching attention
+        would change bits), in cache order within a group so that pooled caches are one view."""
+        cfg = self.cfg
+        together = len(caches) > 1 and batches_requests_exactly(
+            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.dtype, str(self.device), torch.get_num_threads()
+        )
+        by_key: dict[int, list[int]] = {}
+        for b, c in enumerate(caches):
+            by_key.setdefault(c.max_len if together else b, []).append(b)
+        groups = []
+        for rows in by_key.values():
+            rows.sort(key=lambda b: (id(caches[b].base or caches[b]), caches[b].item))
+            group = [caches[b] for b in rows]
+            mask = torch.stack([self.causal_mask(c.length, 1, c.max_len) for c in group])  # [B, 1, S]
+            in_order = rows == list(range(len(caches)))
+            groups.append(
+                StepGroup(None if in_order else torch.tensor(rows, device=self.device), CacheRows(group), mask)
+            )
+        return groups
 
     def head(self, h: Tensor) -> Tensor:
         """Final norm and LM head; logits are returned in float32 for exact argmax and sampling."""

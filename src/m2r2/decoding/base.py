@@ -107,11 +107,22 @@ class Strategy(Protocol):
 #: lookahead block). Attention spans the whole cache for row invariance (see ``Transformer.causal_mask``),
 #: so all strategies must allocate the *same* capacity for their outputs to be bit-identical.
 CACHE_SLACK = 64
+#: Capacities are rounded up to a multiple of this (a size class): ``m2r2 serve`` attends over the
+#: caches of one class in one call (``Transformer.step_rows``). Small, because attention over a few
+#: rows costs in proportion to the capacity (it is memory-bound on a CPU), while one more class in a
+#: batched step costs one more call, ~20 us per layer (BENCHMARKS.md, "Serving").
+CACHE_CLASS = 64
 
 
 def cache_capacity(prompt_len: int, budget: int, context: int) -> int:
-    """KV-cache capacity for a generation: identical for every method given the same request."""
-    return min(context, prompt_len + budget + CACHE_SLACK)
+    """KV-cache capacity for a generation: identical for every method given the same request (and for
+    ``m2r2 serve``, which is how a served request gets the bits ``Engine.generate`` gives it alone).
+
+    Prompt, budget and :data:`CACHE_SLACK`, rounded up to a multiple of :data:`CACHE_CLASS`, at most
+    the model's ``context``.
+    """
+    need = prompt_len + budget + CACHE_SLACK
+    return min(context, -(-need // CACHE_CLASS) * CACHE_CLASS)
 
 
 def check_prompt(prompt: list[int], context: int) -> None:
@@ -129,6 +140,7 @@ def begin(
     eos_ids: list[int],
     decode: Callable[[list[int]], str] | None,
     last_hidden: list[Tensor] | None = None,
+    new_cache: Callable[[int], KVCache] | None = None,
 ) -> tuple[float, Stopper, KVCache, Tensor]:
     """The start every strategy shares: check settings and prompt, start the clock, set up stopping,
     allocate the cache at the common capacity and prefill the prompt.
@@ -137,13 +149,15 @@ def begin(
     One place for this is what gives every method the same cache capacity (so their outputs are
     bit-identical) and the same stopping rules. ``last_hidden``, when given, receives the final slow
     state of the prompt's last position (``[1, 1, d]``; seeded drafters start from it).
+    ``new_cache`` allocates the cache of a given capacity (default ``model.new_cache``; the server
+    lends pooled ones).
     """
     gen.validate()
     ctx = model.cfg.max_position_embeddings
     check_prompt(prompt, ctx)
     t0 = time.perf_counter()
     stopper = Stopper(gen, eos_ids, decode, ctx - len(prompt))
-    cache = model.new_cache(cache_capacity(len(prompt), stopper.budget, ctx))
+    cache = (new_cache or model.new_cache)(cache_capacity(len(prompt), stopper.budget, ctx))
     tokens = torch.tensor([prompt], device=model.device)
     if last_hidden is None:  # through ``model(...)``: wrappers that hook each forward pass see it
         return t0, stopper, cache, model(tokens, cache, 0, last_only=True)

@@ -269,81 +269,93 @@ def rss_mb() -> float:
     return 0.0
 
 
+#: What a soak client sends (drawn uniformly): streamed and whole greedy chat, seeded sampling, a
+#: streamed request hung up after 1-4 chunks, and a malformed request (bad JSON or parameters).
+SOAK_KINDS = ("stream", "stream", "whole", "whole", "disconnect", "sampled", "malformed")
+#: Kinds whose every request must get a whole answer: one that does not is a completion lost.
+ANSWERED_KINDS = ("stream", "whole", "sampled")
+
+
 async def _soak_load(
     url: str, model: str, prompts: list[str], minutes: float, streams: int, max_tokens: int, seed: int
-):
-    """Mixed traffic until the deadline; returns counts, failures and RSS samples."""
+) -> tuple[dict[str, dict[str, int]], list[str], list[tuple[float, float]]]:
+    """Mixed traffic until the deadline: per kind, requests ``sent`` and ``answered`` (a whole answer;
+    for a malformed request an OpenAI error object with a 4xx status; for a disconnect the stream
+    began), failures, and RSS samples ``(seconds, MiB)``."""
     rng = random.Random(seed)
     deadline = time.monotonic() + 60 * minutes
-    counts: dict[str, int] = {}
+    tally = {kind: {"sent": 0, "answered": 0} for kind in dict.fromkeys(SOAK_KINDS)}
     failures: list[str] = []
     refs: dict[str, str] = {}
-    rss: list[tuple[float, float]] = [(0.0, rss_mb())]
     t0 = time.monotonic()
+    rss: list[tuple[float, float]] = [(0.0, rss_mb())]
 
     def fail(kind: str, msg: str) -> None:
         if len(failures) < 50:
             failures.append(f"{kind}: {msg}")
 
-    def check(kind: str, prompt: str, text: str) -> None:
-        ref = refs.setdefault(prompt, text)
-        if text != ref:
-            fail(kind, f"greedy answer changed for {prompt[:40]!r}")
+    def check(prompt: str, text: str) -> None:
+        """Greedy answers do not depend on load: each must equal the first answer to its prompt."""
+        if text != refs.setdefault(prompt, text):
+            fail("greedy", f"answer changed for {prompt[:40]!r}")
 
-    async def one(client: httpx.AsyncClient) -> None:
-        kind = rng.choice(["stream", "stream", "whole", "whole", "disconnect", "sampled", "malformed"])
-        counts[kind] = counts.get(kind, 0) + 1
+    async def one(client: httpx.AsyncClient, kind: str) -> bool:
+        """Send one request of ``kind``; whether it was answered as it should be."""
         prompt = rng.choice(prompts)
-        msgs = [{"role": "user", "content": prompt}]
+        body: dict[str, Any] = {
+            "model": model,
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens,
+        }
         if kind == "stream":
             o = await stream_chat(client, model, prompt, max_tokens)
-            if not o.complete:
-                fail(kind, o.error or "incomplete stream")
-            else:
-                check(kind, prompt, o.text)
-        elif kind == "whole":
-            r = await client.post(
-                "/v1/chat/completions", json={"model": model, "messages": msgs, "max_tokens": max_tokens}
-            )
-            if r.status_code != 200:
-                fail(kind, f"HTTP {r.status_code}")
-            else:
-                check(kind, prompt, r.json()["choices"][0]["message"]["content"])
-        elif kind == "sampled":
-            body = {"model": model, "messages": msgs, "max_tokens": max_tokens, "temperature": 0.8, "seed": 7}
+            if o.complete:
+                check(prompt, o.text)
+            return o.complete
+        if kind in ("whole", "sampled"):
+            if kind == "sampled":
+                body |= {"temperature": 0.8, "seed": 7}
             r = await client.post("/v1/chat/completions", json=body)
-            if r.status_code != 200 or not r.json()["usage"]["completion_tokens"]:
-                fail(kind, f"HTTP {r.status_code}")
-        elif kind == "disconnect":
-            body = {"model": model, "messages": msgs, "max_tokens": max_tokens, "stream": True}
-            async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            whole = r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0
+            if whole and kind == "whole":
+                check(prompt, r.json()["choices"][0]["message"]["content"])
+            return whole
+        if kind == "disconnect":
+            async with client.stream("POST", "/v1/chat/completions", json=body | {"stream": True}) as r:
                 n = rng.randint(1, 4)
                 async for line in r.aiter_lines():
                     n -= line.startswith("data: ")
                     if n <= 0:
                         break  # leaving the block closes the connection mid-stream
-        else:
-            bad = rng.choice([b"{oops", b'{"model": "nope", "messages": []}', b'{"messages": [], "temperature": -3}'])
-            r = await client.post("/v1/chat/completions", content=bad, headers={"content-type": "application/json"})
-            if not 400 <= r.status_code < 500 or "error" not in r.json():
-                fail(kind, f"HTTP {r.status_code} for a malformed request")
+                return r.status_code == 200
+        bad = rng.choice([b"{oops", b'{"model": "nope", "messages": []}', b'{"messages": [], "temperature": -3}'])
+        r = await client.post("/v1/chat/completions", content=bad, headers={"content-type": "application/json"})
+        return 400 <= r.status_code < 500 and "error" in r.json()
 
     async def worker() -> None:
         # a client per worker: a disconnect closes only its own connection
         async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0)) as client:
             while time.monotonic() < deadline:
+                kind = rng.choice(SOAK_KINDS)
+                tally[kind]["sent"] += 1
                 try:
-                    await one(client)
-                except (httpx.HTTPError, ValueError, KeyError) as e:
-                    fail("client", f"{type(e).__name__}: {e}")
+                    answered = await one(client, kind)
+                except Exception as e:  # any client-side surprise is a failure of the server's answer
+                    fail(kind, f"{type(e).__name__}: {e}")
+                    continue
+                tally[kind]["answered"] += answered
+                if not answered:
+                    fail(kind, "no proper answer")
 
     async def sampler() -> None:
+        every = min(5.0, 6.0 * minutes)  # at least ten samples
         while time.monotonic() < deadline:
-            await asyncio.sleep(5)
+            await asyncio.sleep(every)
             rss.append((time.monotonic() - t0, rss_mb()))
 
     await asyncio.gather(sampler(), *(worker() for _ in range(streams)))
-    return counts, failures, rss
+    rss.append((time.monotonic() - t0, rss_mb()))
+    return tally, failures, rss
 
 
 def run_soak(
@@ -356,11 +368,12 @@ def run_soak(
     rss_bound_mb: float = 64.0,
     dataset: str = "builtin",
 ) -> dict[str, Any]:
-    """Mixed traffic for ``minutes`` (streamed, whole, sampled, disconnecting, malformed); then checks
-    that every answered request was whole and unchanged, the server is idle and RSS stayed flat.
-
-    RSS is judged after the first fifth of the run (allocator and caches warm up) against
-    ``rss_bound_mb``; writes ``soak.json`` to ``out_dir``.
+    """Mixed traffic for ``minutes`` (:data:`SOAK_KINDS` from ``streams`` clients), then checks that
+    no completion was lost (every request of :data:`ANSWERED_KINDS` answered whole, greedy answers
+    unchanged), every request got its proper answer, the server failed none and is idle, and RSS
+    stayed flat: after the first fifth of the run (allocator and caches warm up) it may grow at most
+    ``rss_bound_mb``. Bounded: clients stop sending at the deadline and in-flight requests end within
+    their ``max_new_tokens``. Writes ``soak.json`` to ``out_dir``.
     """
     if minutes <= 0:
         raise SettingsError(f"soak minutes must be positive, got {minutes}")
@@ -368,12 +381,13 @@ def run_soak(
     name = engine.model_dir.name
     app = build(engine, name, method, max_batch=streams, max_queue=streams)
     with background(app) as url:
-        counts, failures, rss = asyncio.run(_soak_load(url, name, prompts, minutes, streams, max_new_tokens, 0))
+        tally, failures, rss = asyncio.run(_soak_load(url, name, prompts, minutes, streams, max_new_tokens, 0))
         deadline = time.monotonic() + 30
         while (status := httpx.get(url + "/health").json())["active"] and time.monotonic() < deadline:
             time.sleep(0.1)
-    if status["active"] or status["waiting"]:
-        failures.append(f"server not idle after the soak: {status}")
+    lost = sum(tally[k]["sent"] - tally[k]["answered"] for k in ANSWERED_KINDS)
+    if status["active"] or status["waiting"] or status["failed"]:
+        failures.append(f"server not idle or failed requests after the soak: {status}")
     warm = [m for t, m in rss if t >= 12 * minutes] or [rss[-1][1]]
     growth = max(warm) - warm[0]
     if growth > rss_bound_mb:
@@ -382,13 +396,17 @@ def run_soak(
         **_machine(engine),
         "minutes": minutes,
         "streams": streams,
-        "requests": counts,
+        "requests": tally,
+        "sent": sum(t["sent"] for t in tally.values()),
+        "completions_lost": lost,
+        "all_answered": all(t["sent"] == t["answered"] for t in tally.values()),
         "server": status,
         "rss_mib": {"start": rss[0][1], "after_warmup": warm[0], "max_after_warmup": max(warm), "end": rss[-1][1]},
+        "rss_growth_after_warmup_mib": growth,
         "rss_bound_mib": rss_bound_mb,
         "failures": failures,
-        "ok": not failures,
     }
+    result["ok"] = not failures and lost == 0 and result["all_answered"]
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "soak.json").write_text(json.dumps(result, indent=2))
     return result

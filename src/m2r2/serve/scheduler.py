@@ -4,7 +4,8 @@ Requests join the running batch at token boundaries (after their prefill) and le
 stop or their client goes away. Each step either
 
 * runs one batched decoding step over every active request (:meth:`Transformer.step_rows`: the
-  linear layers see all rows at once, attention runs per request over its own cache), or
+  linear layers see all rows at once, attention runs once per cache size class over the class's
+  requests), or
 * when a single request is active and nobody waits, runs one self-speculative round for it
   (draft with the fast stream, verify with the slow model), which is what ``m2r2`` buys at low load.
 
@@ -13,6 +14,25 @@ is running (``tests/test_serve.py`` checks it against ``Engine.generate``). Why 
 low load: a verify pass of k rows per request would multiply the rows of a batched step, and on
 a CPU the 4-bit kernel's cost grows with rows (BENCHMARKS.md, "Serving"), so at two or more
 streams batching already uses what a verify pass would have used.
+
+Every request's cache is lent by one pool (:meth:`Transformer.new_pool`): capacities are rounded to
+size classes of 64 tokens (``decoding.base.cache_capacity``, shared by every method, so the bits
+match ``Engine.generate``), and the requests of a class are consecutive items of one cache, so a
+batched step attends over them through a view, without copying caches.
+
+Which kernel (``m2r2 serve --kernel auto``, :func:`serve_kernel`). One batched step (step_rows +
+greedy head) of B requests with 190-211-token prompts, SmolLM2-135M bf16, 1 thread, on the 2-core
+AMX Xeon (``benchmarks/serve/step_rows.py``; CPU ms, best of 8-12 on a shared, loaded machine):
+
+    B            1      2      4      8      16
+    q4 (ms)     26     35     46     76     130
+    mkldnn (ms) 47     54     62     77-81  111
+
+The 4-bit kernel reads a quarter of the bytes and wins alone; oneDNN's AMX GEMM is nearly flat in
+rows and wins from ~16 rows. At the default ``--max-batch 8`` the two tie at full load and q4 is
+1.3-1.8x faster below it, so ``auto`` stays q4; from ``--max-batch`` :data:`MKLDNN_FROM_BATCH` on an
+AMX CPU it loads ``mkldnn`` (throughput at high load over latency at low load). An explicit
+``--kernel`` is kept.
 
 The thread owns all torch work; the HTTP side only submits, cancels, and reads :class:`Update`s
 delivered through each job's ``emit`` callback.
@@ -37,6 +57,7 @@ from m2r2.decoding.speculative import SelfSpeculative
 from m2r2.decoding.tree import TreeSpeculative
 from m2r2.errors import M2R2Error, SettingsError
 from m2r2.kernels import head_argmax
+from m2r2.machine import cpu_has, default_device
 
 if TYPE_CHECKING:
     from m2r2.cache import KVCache
@@ -44,6 +65,18 @@ if TYPE_CHECKING:
     from m2r2.model import Transformer
 
 log = logging.getLogger("m2r2.serve")
+
+#: From this ``--max-batch`` on, ``--kernel auto`` serves with oneDNN bf16 on an AMX CPU (module docstring).
+MKLDNN_FROM_BATCH = 16
+
+
+def serve_kernel(kernel: str, max_batch: int, dtype: str, device: str | None) -> str:
+    """The ``--kernel`` to load for a server of ``max_batch`` concurrent requests: the user's choice,
+    or for ``auto`` ``mkldnn`` where large batches are cheaper with it (bf16 on an AMX CPU, at least
+    :data:`MKLDNN_FROM_BATCH` requests), else ``auto`` (the 4-bit kernel where the model fits it)."""
+    if kernel != "auto" or max_batch < MKLDNN_FROM_BATCH or dtype != "bf16" or (device or default_device()) != "cpu":
+        return kernel
+    return "mkldnn" if torch.backends.mkldnn.is_available() and cpu_has("amx_bf16") else kernel
 
 
 class QueueFull(M2R2Error):
@@ -122,6 +155,7 @@ class Scheduler:
                 )
             self.spec = strategy
         self.max_batch, self.max_queue = max_batch, max_queue
+        self.pool = self.model.new_pool(max_batch)
         self.eos, self.decode = engine.tokenizer.eos_ids, engine.tokenizer.decode
         self.waiting: deque[Job] = deque()
         self.active: list[Job] = []
@@ -217,9 +251,15 @@ class Scheduler:
             return False
         if job.cancelled:
             self.counts["cancelled"] += 1
-            job.cache = job.drafter = None
+            self._release(job)
             return False
         return True
+
+    def _release(self, job: Job) -> None:
+        """Give the job's cache back to the pool (the last one of a capacity frees its memory)."""
+        if job.cache is not None:
+            self.pool.give(job.cache)
+        job.cache = job.drafter = None
 
     def _guard(self, jobs: list[Job], step: Callable[..., None]) -> None:
         """Run ``step``; an unexpected failure ends these jobs with an error instead of the loop."""
@@ -232,13 +272,18 @@ class Scheduler:
                 self.counts["failed"] += 1
                 job.emit(Update(done=True, error=e))
                 job.finished = True
-                job.cache = job.drafter = None
+                self._release(job)
 
     def _start(self, jobs: list[Job]) -> None:
-        """Prefill a job's prompt into a fresh cache (as every strategy does) and emit its first token."""
+        """Prefill a job's prompt into a pooled cache (as every strategy does) and emit its first token."""
         (job,) = jobs
+
+        def lend(capacity: int) -> KVCache:
+            job.cache = self.pool.take(capacity)  # held by the job at once, so a failing prefill gives it back
+            return job.cache
+
         hidden: list = []
-        job.t0, job.stopper, job.cache, logits = begin(self.model, job.prompt, job.gen, self.eos, self.decode, hidden)
+        job.t0, job.stopper, _, logits = begin(self.model, job.prompt, job.gen, self.eos, self.decode, hidden, lend)
         job.sampler = Sampler(job.gen, self.model.device)
         if self.spec is not None:
             job.drafter = self.spec.make_drafter(job.cache)
@@ -258,7 +303,7 @@ class Scheduler:
             self.counts["completed"] += 1
             self.recent_seconds.append(time.perf_counter() - job.t0)
             job.emit(Update(new[:kept], True, job.stopper.reason, job.stats(self.method)))
-            job.cache = job.drafter = None
+            self._release(job)
         elif kept:
             job.emit(Update(new[:kept]))
 
