@@ -226,10 +226,12 @@ def batches_requests_exactly(
 
     Each batch item is the same small product as a lone step, but a BLAS may choose its blocking or
     threading by the batch size, so a probe over batch sizes and cache lengths decides (measured exact
-    on the AMX Xeon for SmolLM2's and the tests' tiny models' heads). Where it fails, a batched step
-    attends per sequence (:meth:`Transformer.step_groups`), as before batching.
+    on the AMX Xeon for SmolLM2's and the tests' tiny models' heads). The batched call gets its keys
+    and values as pooled caches store them (:meth:`Transformer.new_pool`). Where it fails, a batched
+    step attends per sequence (:meth:`Transformer.step_groups`), as before batching.
     """
     gen = torch.Generator().manual_seed(0)
+    store = torch.float32 if attends_in_float32(dtype, torch.device(device)) else dtype
 
     def rand(*shape: int) -> Tensor:
         return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
@@ -238,7 +240,7 @@ def batches_requests_exactly(
         for b in (2, 3, 8):
             q, k, v = rand(b, heads, 1, head_dim), rand(b, kv_heads, s, head_dim), rand(b, kv_heads, s, head_dim)
             mask = torch.arange(s)[None, :] < torch.randint(1, s + 1, (b, 1), generator=gen)
-            whole = attend(q, k, v, mask.to(device)[:, None])
+            whole = attend(q, k.to(store), v.to(store), mask.to(device)[:, None])
             for i in range(b):
                 alone = attend(q[i : i + 1], k[i : i + 1], v[i : i + 1], mask[i : i + 1].to(device))
                 if not torch.equal(whole[i : i + 1], alone):
@@ -570,7 +572,7 @@ class Transformer(nn.Module):
 
         Continuous batching: sequences of different lengths and capacities decode together. The
         layers' kernels are row-invariant and attention runs once per capacity over the sequences'
-        stacked caches, each a batch item of a lone step's computation (:func:`batches_requests_exactly`
+        caches, each a batch item of a lone step's computation (:func:`batches_requests_exactly`
         checks that this keeps bits on this machine, else each sequence attends alone), so row b is
         bit-identical to the hidden state of ``self(tokens[b:b+1], caches[b])`` alone. The head is
         left to the caller: oneDNN's bf16 head gives one row other bits than several rows.

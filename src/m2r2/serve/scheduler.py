@@ -21,18 +21,19 @@ match ``Engine.generate``), and the requests of a class are consecutive items of
 batched step attends over them through a view, without copying caches.
 
 Which kernel (``m2r2 serve --kernel auto``, :func:`serve_kernel`). One batched step (step_rows +
-greedy head) of B requests with 190-211-token prompts, SmolLM2-135M bf16, 1 thread, on the 2-core
-AMX Xeon (``benchmarks/serve/step_rows.py``; CPU ms, best of 8-12 on a shared, loaded machine):
+greedy head) of B requests with 190-235-token prompts, SmolLM2-135M bf16, 1 thread, on the 2-core
+AMX Xeon (``benchmarks/serve/step_rows.py``, CPU ms, best of 15; other runs on the shared machine
+differed by up to 10%):
 
     B            1      2      4      8      16
-    q4 (ms)     26     35     46     76     130
-    mkldnn (ms) 47     54     62     77-81  111
+    q4 (ms)     25     35     45     75     133
+    mkldnn (ms) 40     49     54     74      91
 
 The 4-bit kernel reads a quarter of the bytes and wins alone; oneDNN's AMX GEMM is nearly flat in
-rows and wins from ~16 rows. At the default ``--max-batch 8`` the two tie at full load and q4 is
-1.3-1.8x faster below it, so ``auto`` stays q4; from ``--max-batch`` :data:`MKLDNN_FROM_BATCH` on an
-AMX CPU it loads ``mkldnn`` (throughput at high load over latency at low load). An explicit
-``--kernel`` is kept.
+rows and wins from ~16 rows. At the default ``--max-batch 8`` the two tie at full load (69-81 ms
+each over five runs) while q4 is 1.2-1.6x faster below it, so ``auto`` stays q4; from
+``--max-batch`` :data:`MKLDNN_FROM_BATCH` on an AMX CPU it loads ``mkldnn`` (throughput at high load
+over latency at low load). An explicit ``--kernel`` is kept.
 
 The thread owns all torch work; the HTTP side only submits, cancels, and reads :class:`Update`s
 delivered through each job's ``emit`` callback.
