@@ -826,42 +826,7 @@ def _add_draft_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_train_draft(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
-    from m2r2.engine import Engine
-    from m2r2.multirate.io import bundled_adapters, load_adapters
-    from m2r2.training.draft_train import DraftTrainSettings, train_draft
-
-    engine = Engine(args.model, dtype="fp32", threads=args.threads)
-    src = None if args.draft_vocab == "none" else args.draft_vocab or bundled_adapters(engine.fingerprint, "prefix")
-    vocab = load_adapters(Path(src), engine.model, engine.fingerprint).draft_vocab if src else None
-    s = DraftTrainSettings(
-        store=Path(args.store),
-        out=Path(args.out),
-        depth=args.depth,
-        steps=args.steps,
-        minutes=args.minutes,
-        batch=args.batch,
-        lr=args.lr,
-        holdout=args.holdout,
-        seed=args.seed,
-        resume=args.resume,
-        warmup=args.warmup,
-        init=args.init,
-        bf16=args.bf16,
-        info={"base_model": str(args.model or "smollm2-135m")},
-    )
-    bar = tqdm(desc="train-draft", unit="step", file=sys.stderr)
-
-    def log(d: dict) -> None:
-        bar.update(1)
-        bar.set_postfix(kl=f"{d['kl']:.3f}", agree=f"{d['agree'][0]:.3f}", tok_s=f"{d['tok_s']:.0f}")
-
-    train_draft(engine.model, engine.fingerprint, s, vocab, log)
-    bar.close()
-    meta = json.loads((Path(args.out) / "draft.json").read_text())
-    print(json.dumps({"draft": str(Path(args.out) / "draft.safetensors"), "validation": meta["validation"]}))
-    return 0
+    return _train_from_store(args, "draft")
 
 
 def _default_conversations() -> Path:
@@ -923,11 +888,12 @@ def _train_from_store(args: argparse.Namespace, kind: str) -> int:
 
     from m2r2.engine import Engine
     from m2r2.multirate.io import bundled_adapters, load_adapters
+    from m2r2.training import draft_train as dt
     from m2r2.training import seeded_train as st
 
     engine = Engine(args.model, dtype="fp32", threads=args.threads)
-    src = Path(args.draft_vocab) if args.draft_vocab else bundled_adapters(engine.fingerprint, "prefix")
-    vocab = load_adapters(src, engine.model, engine.fingerprint).draft_vocab if src else None
+    src = None if args.draft_vocab == "none" else args.draft_vocab or bundled_adapters(engine.fingerprint, "prefix")
+    vocab = load_adapters(Path(src), engine.model, engine.fingerprint).draft_vocab if src else None
     common = dict(
         store=Path(args.store),
         out=Path(args.out),
@@ -946,6 +912,9 @@ def _train_from_store(args: argparse.Namespace, kind: str) -> int:
     if kind == "seeded":
         s = st.SeededTrainSettings(**common, depth=args.depth, rank=args.rank, chain=args.chain)
         train, name = st.train_seeded, "adapters"
+    elif kind == "draft":
+        s = dt.DraftTrainSettings(**common, depth=args.depth)
+        train, name = dt.train_draft, "draft"
     else:
         s = st.MedusaTrainSettings(**common, heads=args.heads)
         train, name = st.train_medusa, "heads"
@@ -953,7 +922,9 @@ def _train_from_store(args: argparse.Namespace, kind: str) -> int:
 
     def log(d: dict) -> None:
         bar.update(1)
-        bar.set_postfix(ce=f"{d['ce']:.3f}", agree="/".join(f"{a:.2f}" for a in d["agree"]), tok_s=f"{d['tok_s']:.0f}")
+        loss = "kl" if "kl" in d else "ce"
+        agree = "/".join(f"{a:.2f}" for a in d["agree"])
+        bar.set_postfix({loss: f"{d[loss]:.3f}", "agree": agree, "tok_s": f"{d['tok_s']:.0f}"})
 
     train(engine.model, engine.fingerprint, s, vocab, log)  # type: ignore[arg-type]
     bar.close()
