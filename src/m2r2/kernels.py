@@ -35,9 +35,10 @@ _PROBE_ROWS = (2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 24, 31, 32)
 
 
 @functools.cache
-def batches_exactly(kind: str, out_features: int, in_features: int, dtype: torch.dtype) -> bool:
+def batches_exactly(kind: str, out_features: int, in_features: int, dtype: torch.dtype, threads: int) -> bool:
     """Whether this machine's ``kind`` GEMM ("packed" oneDNN or "plain" ``F.linear``) gives each row
-    of a 2..:data:`ROW_INVARIANT_MAX_ROWS`-row pass the bits it gets alone, probed once per shape.
+    of a 2..:data:`ROW_INVARIANT_MAX_ROWS`-row pass the bits it gets alone, probed once per shape and
+    thread count.
 
     Why a probe: oneDNN picks its algorithm by CPU and shape, not by values. With native bf16 (AMX)
     a multi-row pass was measured row-invariant and nearly as cheap as one row (so verification
@@ -70,8 +71,13 @@ class RowInvariantLinear(nn.Linear):
     names are those of ``nn.Linear``.
     """
 
+    @property
+    def batches(self) -> bool:
+        """Whether a multi-row pass already gives each row its one-row bits (probed per shape)."""
+        return batches_exactly("plain", self.out_features, self.in_features, self.weight.dtype, torch.get_num_threads())
+
     def forward(self, x: Tensor) -> Tensor:
-        if batches_exactly("plain", self.out_features, self.in_features, self.weight.dtype):
+        if self.batches:
             return F.linear(x, self.weight, self.bias)
         return row_by_row(lambda r: F.linear(r, self.weight, self.bias), x)
 
@@ -92,7 +98,9 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = lin.in_features, lin.out_features
         self.bias = lin.bias
         self.packed = torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), batch_size=1)
-        self.batches = batches_exactly("packed", self.out_features, self.in_features, lin.weight.dtype)
+        self.batches = batches_exactly(
+            "packed", self.out_features, self.in_features, lin.weight.dtype, torch.get_num_threads()
+        )
 
     def forward(self, x: Tensor) -> Tensor:
         if self.batches:
@@ -315,15 +323,6 @@ def _row_norm_max(lin: nn.Module) -> float:
     return cached
 
 
-def _batches(lin: nn.Module) -> bool:
-    """Whether a multi-row pass through ``lin`` already gives each row its one-row bits."""
-    if isinstance(lin, PackedLinear):
-        return lin.batches
-    return isinstance(lin, RowInvariantLinear) and batches_exactly(
-        "plain", lin.out_features, lin.in_features, lin.weight.dtype
-    )
-
-
 def head_argmax(model: Transformer, h: Tensor) -> Tensor:
     """``model.head(row).argmax(-1)`` for every row of ``h`` (``[..., d]``: a verify pass's rows, or one
     row per sequence of a batched step) as if each ran alone, at about one head's cost.
@@ -340,7 +339,7 @@ def head_argmax(model: Transformer, h: Tensor) -> Tensor:
     x = model.norm(h)
     lin = model.lm_head
     flat = x.reshape(-1, x.shape[-1])
-    if flat.shape[0] <= 1 or not isinstance(lin, PackedLinear | RowInvariantLinear) or _batches(lin):
+    if flat.shape[0] <= 1 or not isinstance(lin, PackedLinear | RowInvariantLinear) or lin.batches:
         return model.lm_head(x).float().argmax(-1)
     batched = (lin._rows(flat) if isinstance(lin, PackedLinear) else F.linear(flat, lin.weight, lin.bias)).float()
     top = batched.topk(2, dim=-1)

@@ -124,9 +124,9 @@ STACKED_MIN_KEYS = 16
 
 
 @functools.cache
-def _stacked_rows_exact(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
+def _stacked_rows_exact(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, threads: int) -> bool:
     """Whether :func:`_row_math` with rows stacked gives every row of a 2..:data:`ROW_INVARIANT_MAX_ROWS`-row
-    pass the bits of a one-row call on this machine, probed once per head shape on random inputs.
+    pass the bits of a one-row call on this machine, probed once per head shape (and thread count) on random inputs.
 
     Measured: on an AMX Xeon SmolLM2's heads (9 query heads over 3 key heads) stack exactly, from
     :data:`STACKED_MIN_KEYS` keys on (with 1-2 keys the bits changed), while a tiny 4-over-2-head
@@ -162,7 +162,7 @@ def _row_math(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, gqa: bool, stack: b
     kvh, s = k.shape[1], k.shape[2]
     g = h // kvh if gqa else 1
     if t > 1 and stack is None:
-        stack = s >= STACKED_MIN_KEYS and _stacked_rows_exact(h, kvh, d, q.dtype)
+        stack = s >= STACKED_MIN_KEYS and _stacked_rows_exact(h, kvh, d, q.dtype, torch.get_num_threads())
     if t > 1 and not stack:
         rows = [mask[..., i : i + 1, :] if mask.dim() > 2 else mask[i : i + 1] for i in range(t)]
         return torch.cat([_row_math(q[:, :, i : i + 1], k, v, rows[i], gqa) for i in range(t)], dim=1)
