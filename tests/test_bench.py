@@ -178,3 +178,41 @@ def test_run_bench_end_to_end(engine, tmp_path: Path, monkeypatch: pytest.Monkey
     assert "fp32" in md.splitlines()[0] and "| two | hf-pld |" in md
     assert res["markdown"] == md and "markdown" not in saved
     assert (tmp_path / "out" / "speed.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_suite_report_plots_each_dataset(tmp_path: Path) -> None:
+    """A suite's report has one plot per dataset besides the overview; a single run has only the overview."""
+    from m2r2.bench.report import write_report
+
+    def row(dataset: str, method: str, tps: float) -> dict:
+        return {
+            "dataset": dataset,
+            "method": method,
+            "tokens_per_s": tps,
+            "speedup": tps / 10,
+            "identical": 1.0,
+            "mean_new_tokens": 5.0,
+            "total_seconds": 1.0,
+        }
+
+    env = {
+        "model": "m",
+        "cpu": "c",
+        "device": "cpu",
+        "threads": 1,
+        "dtype": "fp32",
+        "kernel": "dense",
+        "torch_version": "t",
+        "transformers_version": "t",
+        "n_prompts": 2,
+        "max_new_tokens": 4,
+        "date": "d",
+    }
+    methods = {f"{d}/{m}": row(d, m, t) for d in ("koala", "wizardlm") for m, t in (("vanilla", 10.0), ("m2r2", 12.0))}
+    md = write_report({**env, "dataset": "koala, wizardlm", "methods": methods}, tmp_path)
+    assert "| koala | m2r2 |" in md and "| wizardlm | vanilla |" in md
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == ["speed.png", "speed_koala.png", "speed_wizardlm.png"]
+    single = tmp_path / "single"
+    single.mkdir()
+    write_report({**env, "dataset": "koala", "methods": {"vanilla": row("koala", "vanilla", 10.0)}}, single)
+    assert [p.name for p in single.glob("*.png")] == ["speed.png"]

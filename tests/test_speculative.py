@@ -386,3 +386,6 @@ def test_cost_cache_reuses_fresh_measurements_and_remeasures_bad_ones(tmp_path, 
     c = costs.cost_cache_path(FakeEngine(), fast_stream(model, 3, 0.0, 0), 8)  # type: ignore[arg-type]
     d = costs.cost_cache_path(FakeEngine(), fast_stream(model, 2, 0.0, 0), 4)  # type: ignore[arg-type]
     assert a == b and len({a, c, d}) == 3 and a.parent == tmp_path / "costs"
+    # ...and m2r2's own code: an edit (a faster verify pass) measures again
+    monkeypatch.setattr(costs, "code_stamp", lambda: "edited")
+    assert costs.cost_cache_path(FakeEngine(), fast_stream(model, 2, 0.0, 0), 8) != a  # type: ignore[arg-type]

@@ -25,7 +25,18 @@ from m2r2.engine import Engine
 from m2r2.errors import SettingsError, UnknownNameError
 
 #: The self-speculative comparison of the paper: ours, its ablation, and every peer, vanilla first.
-PAPER_METHODS = ["vanilla", "m2r2", "medusa", "deed", "early-exit-spec", "lookahead", "hf", "hf-pld", "hf-early-exit"]
+PAPER_METHODS = [
+    "vanilla",
+    "m2r2",
+    "medusa",
+    "two-model",
+    "deed",
+    "early-exit-spec",
+    "lookahead",
+    "hf",
+    "hf-pld",
+    "hf-early-exit",
+]
 #: Suites with their own runner and report: name -> "module:function" (imported when run).
 RUNNERS = {"dynamic": "m2r2.bench.dynamic_suite:run_dynamic", "moe": "m2r2.bench.moe_suite:run_moe"}
 SPECIAL_SUITES = tuple(RUNNERS)

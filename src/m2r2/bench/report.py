@@ -34,15 +34,17 @@ def markdown_table(results: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
-def plot(results: dict[str, Any], path: Path) -> None:
-    """Bar plots of median tokens/s and median speedup per method (Agg: no display needed)."""
+def plot(results: dict[str, Any], path: Path, dataset: str | None = None) -> None:
+    """Bar plots of median tokens/s and median speedup per method (Agg: no display needed); with
+    ``dataset``, only that dataset's methods (a suite gets one plot per dataset)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = list(results["methods"])
-    stats = list(results["methods"].values())
+    picked = [(k, m) for k, m in results["methods"].items() if dataset is None or m["dataset"] == dataset]
+    labels = [m["method"] if dataset is not None else k for k, m in picked]
+    stats = [m for _, m in picked]
     colors = [f"C{i % 10}" for i in range(len(labels))]
     fig, axes = plt.subplots(1, 2, figsize=(max(8.0, 1.6 * len(labels) + 4), 4.2))
     for ax, key, title, fmt in (
@@ -57,7 +59,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ax.set_ylim(0, max([*values, 1e-9]) * 1.18)
     axes[1].axhline(1.0, color="gray", linewidth=0.8, linestyle="--")
     fig.suptitle(
-        f"{results['model']} · {results['dataset']} · {results['dtype']} · {results['threads']} threads "
+        f"{results['model']} · {dataset or results['dataset']} · {results['dtype']} · {results['threads']} threads "
         f"· {results['device']}",
         fontsize=9,
     )
@@ -67,8 +69,13 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 
 def write_report(results: dict[str, Any], out_dir: Path) -> str:
-    """Write results.md and speed.png to ``out_dir``; return the markdown (header + table)."""
+    """Write results.md and speed.png (and speed_DATASET.png per dataset of a suite) to ``out_dir``; return
+    the markdown (header + table)."""
     text = f"{header_line(results)}\n\n{markdown_table(results)}\n"
     (out_dir / "results.md").write_text(text, encoding="utf-8")
     plot(results, out_dir / "speed.png")
+    datasets = dict.fromkeys(m["dataset"] for m in results["methods"].values())
+    if len(datasets) > 1:  # a suite: one readable plot per dataset besides the overview
+        for name in datasets:
+            plot(results, out_dir / f"speed_{name}.png", name)
     return text

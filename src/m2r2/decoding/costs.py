@@ -8,6 +8,7 @@ kept per machine and drafter shape in ``$M2R2_CACHE/costs`` for a day.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import time
@@ -94,13 +95,27 @@ def measure_costs(model: Transformer, drafter_factory: Callable[[Any], Any], k_m
 COST_CACHE_MAX_AGE_S = 24 * 3600
 
 
+@functools.cache
+def code_stamp() -> str:
+    """A digest of m2r2's own source files (names, sizes, modification times): costs measured under
+    other code (a faster verify pass, a cheaper drafter) must not outlive it, and the version number
+    does not change with every edit. Stats ~100 files once per process."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*.py")):
+        st = f.stat()
+        h.update(f"{f.relative_to(root)}:{st.st_size}:{st.st_mtime_ns};".encode())
+    return h.hexdigest()[:16]
+
+
 def cost_cache_path(engine: Loaded, fast: nn.Module, k_max: int) -> Path:
     """Where measured costs of this drafter on this machine are kept: ``$M2R2_CACHE/costs/<key>.json``.
 
     ``fast``: the drafter's module (a fast stream, seeded or not, or Medusa heads). The key holds
     everything the timings depend on (hardware, threads, versions, model, precision, kernel, the
-    drafter's shape: its config, folded or not, draft-vocabulary size) and nothing they do not (the
-    trained values), so retrained adapters or heads of the same shape reuse the measurement.
+    drafter's shape: its config, folded or not, draft-vocabulary size; m2r2's code, :func:`code_stamp`)
+    and nothing they do not (the trained values), so retrained adapters or heads of the same shape reuse
+    the measurement.
     """
     parts = {
         "cpu": cpu_name(),
@@ -108,6 +123,7 @@ def cost_cache_path(engine: Loaded, fast: nn.Module, k_max: int) -> Path:
         "gpu": torch.cuda.get_device_name(engine.model.device) if engine.model.device.type == "cuda" else "",
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
+        "code": code_stamp(),
         "model": engine.fingerprint,
         "dtype": engine.dtype_name,
         "kernel": engine.kernel,
