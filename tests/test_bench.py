@@ -10,7 +10,7 @@ import pytest
 from m2r2.bench import datasets
 from m2r2.bench.datasets import DatasetError, load_dataset
 from m2r2.bench.harness import BenchSettings, run_bench
-from m2r2.errors import UnknownNameError
+from m2r2.errors import SettingsError, UnknownNameError
 
 ROWS = [
     {"id": "a", "source": "t", "category": "math", "turns": ["What is 3 times 4?"]},
@@ -121,6 +121,31 @@ def test_names_are_checked_before_any_work(tmp_path: Path, kw: dict, match: str)
     with pytest.raises(UnknownNameError, match=match):
         run_bench(Untouchable(), _settings(tmp_path, **kw))  # type: ignore[arg-type]
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"medusa": {"max_nodes": 4}}, r"--option for method\(s\) not in this run: medusa"),
+        ({"vanilla": {"adapters": "x"}}, "method 'vanilla' takes no option adapters"),
+    ],
+)
+def test_method_options_are_checked_before_any_work(tmp_path: Path, options: dict, match: str) -> None:
+    with pytest.raises(SettingsError, match=match):
+        run_bench(Untouchable(), _settings(tmp_path, options=options))  # type: ignore[arg-type]
+    assert not (tmp_path / "out").exists()
+
+
+def test_bench_option_names_its_method() -> None:
+    from m2r2.cli import _scoped_options
+    from m2r2.errors import M2R2Error
+
+    assert _scoped_options(["m2r2:adapters=a.safetensors", "m2r2:width=3", "medusa:max_nodes=4"]) == {
+        "m2r2": {"adapters": "a.safetensors", "width": 3},
+        "medusa": {"max_nodes": 4},
+    }
+    with pytest.raises(M2R2Error, match="METHOD:KEY=VALUE"):
+        _scoped_options(["adapters=a:b"])
 
 
 @pytest.fixture(scope="module")

@@ -104,6 +104,17 @@ def _add_gen_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _scoped_options(pairs: list[str]) -> dict[str, dict[str, object]]:
+    """``["m2r2:k=v", ...]`` -> ``{"m2r2": {k: v}}`` (bench runs several methods, so each option names one)."""
+    out: dict[str, dict[str, object]] = {}
+    for pair in pairs:
+        method, sep, option = pair.partition(":")
+        if not sep or not method.strip() or "=" in method:
+            raise M2R2Error(f"bench --option takes METHOD:KEY=VALUE, got {pair!r}")
+        out.setdefault(method.strip(), {}).update(_method_options([option]))
+    return out
+
+
 def _method_options(pairs: list[str]) -> dict[str, object]:
     """``["k=v", ...]`` -> ``{k: v}`` with ints, floats and booleans recognised."""
     out: dict[str, object] = {}
@@ -276,6 +287,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         adapters=Path(args.adapters) if args.adapters else None,
         full=args.full,
         command=shlex.join(["m2r2", *args.argv]),
+        options=_scoped_options(args.option),
     )
     check_out_dir(settings)  # before loading or building any model
     if args.suite == "moe" and not args.model:  # the MoEfied bundled model, built once into the cache
@@ -543,7 +555,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--suite",
         default=None,
         help="a named set of runs that replaces --dataset/--methods: 'paper' = MT-Bench, Koala, "
-        "Self-Instruct, WizardLM x (vanilla, m2r2, early-exit-spec, lookahead, hf, hf-pld, hf-early-exit); "
+        "Self-Instruct, WizardLM x (vanilla, m2r2 and every peer: eagle, medusa, two-model, deed, early-exit-spec, "
+        "lookahead, hf, hf-pld, hf-early-exit), one plot per dataset; "
         "'dynamic' = quality-vs-speedup sweeps of the lossy early-exit methods on the same four datasets; "
         "'moe' = expert offloading policies (on-demand, next-gate, m2r2, oracle) on an MoE model "
         "(default: the MoEfied bundled model) over --bandwidths x --cache-fractions on --dataset; 'serve' = "
@@ -554,6 +567,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-new-tokens", type=int, default=128, help="token budget per turn (default 128)")
     b.add_argument("--warmup", type=int, default=1, help="warm-up prompts per method, not timed (default 1)")
     b.add_argument("--out", default="bench-out", help="output directory (default bench-out)")
+    b.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="METHOD:KEY=VALUE",
+        help="an option of one method, repeatable (e.g. m2r2:adapters=runs/seeded/adapters.safetensors, "
+        "medusa:max_nodes=16); see `m2r2 generate --help` for each method's options",
+    )
     g = b.add_argument_group("--suite moe")
     g.add_argument(
         "--bandwidths",

@@ -19,7 +19,7 @@ from tqdm import tqdm
 from m2r2.bench.datasets import Dataset, Prompt, load_dataset
 from m2r2.bench.report import write_report
 from m2r2.bench.results import BenchSettings, check_out_dir, environment, save_results
-from m2r2.decoding import method_names
+from m2r2.decoding import check_options, method_names
 from m2r2.decoding.base import GenerationConfig
 from m2r2.engine import Engine
 from m2r2.errors import SettingsError, UnknownNameError
@@ -68,7 +68,17 @@ def _check_methods(methods: list[str]) -> None:
         raise SettingsError(f"a method is listed twice: {', '.join(methods)}")
 
 
-def answer(engine: Engine, prompt: Prompt, method: str, gen: GenerationConfig) -> dict[str, Any]:
+def _check_options(options: dict[str, dict[str, Any]], runs: list[tuple[str, list[str]]]) -> dict[str, dict[str, Any]]:
+    """Per-method options, typed and range-checked; options for a method no run has are a mistake."""
+    used = {m for _, methods in runs for m in methods}
+    if bad := sorted(set(options) - used):
+        raise SettingsError(f"--option for method(s) not in this run: {', '.join(bad)}")
+    return {m: check_options(m, opts) for m, opts in options.items()}
+
+
+def answer(
+    engine: Engine, prompt: Prompt, method: str, gen: GenerationConfig, options: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """All turns of ``prompt``; later turns see this method's own earlier answers, as in MT-Bench."""
     messages: list[dict[str, str]] = []
     ids: list[list[int]] = []
@@ -77,7 +87,7 @@ def answer(engine: Engine, prompt: Prompt, method: str, gen: GenerationConfig) -
     seconds = 0.0
     for turn in prompt.turns:
         messages.append({"role": "user", "content": turn})
-        out = engine.chat(messages, method=method, gen=gen)
+        out = engine.chat(messages, method=method, gen=gen, **(options or {}))
         messages.append({"role": "assistant", "content": out.text})
         ids.append(out.result.tokens)
         texts.append(out.text)
@@ -110,16 +120,18 @@ def run_one(
     gen: GenerationConfig,
     warmup: int,
     on_row: Callable[[dict[str, Any]], None] | None = None,
+    options: dict[str, dict[str, Any]] | None = None,
 ) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
     """Warm up, then interleave: for each prompt, each method (``on_row`` sees each prompt's row as
-    it is measured). Returns per-method summaries and rows."""
+    it is measured; ``options`` per method). Returns per-method summaries and rows."""
+    options = options or {}
     for method in methods:
-        engine.strategy(method)  # load models (e.g. transformers) before any timing
+        engine.strategy(method, **options.get(method, {}))  # load models (e.g. transformers) before any timing
         for p in data.prompts[:warmup]:
-            engine.chat([{"role": "user", "content": p.turns[0]}], method=method, gen=gen)
+            engine.chat([{"role": "user", "content": p.turns[0]}], method=method, gen=gen, **options.get(method, {}))
     rows: list[dict[str, Any]] = []
     for p in tqdm(data.prompts, desc=f"{data.name} ({', '.join(methods)})", unit="prompt", file=sys.stderr):
-        runs = {m: answer(engine, p, m, gen) for m in methods}
+        runs = {m: answer(engine, p, m, gen, options.get(m)) for m in methods}
         base = runs[methods[0]]
         for r in runs.values():
             r["identical"] = r["ids"] == base["ids"]
@@ -161,6 +173,7 @@ def run_bench(engine: Engine, settings: BenchSettings) -> dict[str, Any]:
     runs = plan(settings)
     for _, methods in runs:
         _check_methods(methods)
+    options = _check_options(settings.options, runs)
     loaded = [(load_dataset(name, settings.limit), methods) for name, methods in runs]
     out = check_out_dir(settings)
 
@@ -170,6 +183,7 @@ def run_bench(engine: Engine, settings: BenchSettings) -> dict[str, Any]:
         "n_prompts": 0,
         "max_new_tokens": settings.max_new_tokens,
         "warmup": settings.warmup,
+        "options": options,
         **environment(engine, settings),
         "methods": {},
         "prompts": [],
@@ -182,7 +196,7 @@ def run_bench(engine: Engine, settings: BenchSettings) -> dict[str, Any]:
 
     several = len({d.name for d, _ in loaded}) > 1
     for data, methods in loaded:
-        summary, _ = run_one(engine, data, methods, gen, settings.warmup, keep)
+        summary, _ = run_one(engine, data, methods, gen, settings.warmup, keep, options)
         results["methods"].update({(f"{data.name}/{m}" if several else m): s for m, s in summary.items()})
     save_results(out, results, complete=True)
     return {**results, "complete": True, "markdown": write_report(results, out)}

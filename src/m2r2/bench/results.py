@@ -10,7 +10,7 @@ import json
 import shlex
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -40,6 +40,8 @@ class BenchSettings:
     adapters: Path | None = None
     full: bool = False  # --suite dynamic: the full sweep instead of the default few-minute one
     command: str | None = None  # what reproduces the run (the CLI passes its argv)
+    #: per-method options (``--option METHOD:KEY=VALUE``), e.g. the adapters of an equal-budget run
+    options: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 def git_commit() -> str:
