@@ -124,6 +124,11 @@ class TreeDrafter(Protocol):
     def logits(self, tree: Tree, frontier: list[int]) -> Tensor:
         """Sampling: draft logits ``[n or 1, V]`` (float32, -inf outside the draft vocabulary)."""
 
+    # Optional: a drafter with a memory of the sequence (EAGLE's own KV cache over verified features)
+    # also defines ``observe(cache, feats, tokens, first)``. It then receives the verified pairs
+    # ``(h_N(i), x_{i+1})`` for ``i = first..``: the prompt's after the prefill (``first`` 0) and,
+    # after each verify pass, the accepted rows' final slow states with the tokens that follow them.
+
 
 class SeededDrafter:
     """Tree levels from the seeded fast stream: one fast step over a level's open nodes, each seeded by
@@ -275,6 +280,9 @@ class TreeSpeculative:
         self.last_cache = cache
         state = self.make_drafter(cache)
         state.h_last = hidden[0]
+        observe = getattr(self.drafter, "observe", None)
+        if observe is not None:  # every prompt position's final state with the token after it
+            observe(cache, hidden[1][0, :-1], prompt[1:], 0)
         tok = sampler(logits[0, -1])
         emitted = [tok]
         while True:
@@ -368,6 +376,11 @@ class TreeSpeculative:
         state.drafted += n_rows - 1
         state.accepted += n
         cache.keep([verified + rows.index(r) for r in path], verified)
+        observe = getattr(self.drafter, "observe", None)
+        if observe is not None:  # the verified pairs: (h_N(verified - 1), tok), then each accepted node's
+            idx = torch.tensor([rows.index(r) for r in path[:-1]], dtype=torch.long, device=h.device)
+            feats = torch.cat([state.h_last.reshape(1, -1), h[0].index_select(0, idx)])
+            observe(cache, feats, [tree.tokens[r] for r in path], verified - 1)
         state.h_last = h[:, rows.index(path[-1])][:, None]
         return [*[tree.tokens[r] for r in path[1:]], nxt], n, n_rows - 1, accept_rate
 
