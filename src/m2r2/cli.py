@@ -775,7 +775,7 @@ def _add_seeded_commands(sub: argparse._SubParsersAction) -> None:
         f"reads {DEFAULT_EAGLE} by default (or `--option adapters=PATH`).",
     )
     _add_store_train_args(te, str(DEFAULT_EAGLE.parent), "head", "EAGLE head to start from")
-    te.add_argument("--chain", type=int, default=1, help="draft depths trained per position (default 1: EAGLE-1)")
+    te.add_argument("--chain", type=int, default=3, help="draft depths trained per position (default 3; 1 = EAGLE-1)")
     te.add_argument("--feat-w", type=float, default=1.0, help="feature regression loss weight (default 1.0)")
     te.add_argument("--ce-w", type=float, default=0.1, help="cross-entropy loss weight (default 0.1)")
     te.set_defaults(func=cmd_train_eagle)

@@ -36,7 +36,7 @@ EVAL_DEPTHS = 4
 
 @dataclass
 class EagleTrainSettings(StoreTrainSettings):
-    chain: int = 1  # draft depths trained per position (1: EAGLE-1, true features only)
+    chain: int = 3  # draft depths trained per position, on its own features (1: EAGLE-1, true features only)
     feat_w: float = 1.0  # feature regression weight (EAGLE: 1.0)
     ce_w: float = 0.1  # CE weight (EAGLE: 0.1)
 
