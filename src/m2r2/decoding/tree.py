@@ -1,12 +1,15 @@
 """Token trees verified in one slow pass: M2R2 self-speculation with the seeded fast stream, and any
-other :class:`TreeDrafter` (Medusa heads, :mod:`m2r2.decoding.medusa`) on the same footing.
+other :class:`TreeDrafter` (Medusa heads, :mod:`m2r2.decoding.medusa`; an EAGLE head,
+:mod:`m2r2.decoding.eagle`) on the same footing.
 
 Round: the slow stream has verified ``L`` positions and produced the next token ``x`` and the final
 state ``h_N(L-1)``. A drafter grows a tree under ``x``: depth by depth, the ``width`` most probable
 open nodes (by path probability, the product of draft probabilities from the root) are expanded in
 one draft step, each adding its ``branch`` most likely children. The seeded fast stream
 (:mod:`m2r2.multirate.seeded`) seeds each node's step with its parent's fast state; Medusa heads
-predict depth ``d`` from ``h_N(L-1)`` alone, so every node of a level gets the same children. The
+predict depth ``d`` from ``h_N(L-1)`` alone, so every node of a level gets the same children; an
+EAGLE head fuses each node's token with its parent's predicted final state, attending its own cache
+of the verified positions' true states (which it is handed after every verify pass). The
 tree kept for verification is the most probable nodes, as many as maximise expected tokens per
 second under measured costs (the drafter's start, draft levels and verify passes of k rows; a path's
 probability, calibrated online by how often drafts are accepted, is its chance of being accepted).
