@@ -289,7 +289,7 @@ def test_train_eagle_writes_where_the_method_reads_and_eval_align_reports_depths
 def test_real_model_eagle_is_lossless_in_fp32_and_bf16(real_engine, real_engine_bf16, tmp_path):
     """On the bundled model, an untrained head (the last layer's copy) drafts trees that verify to exactly
     vanilla's tokens, in the fp32 reference mode and in bf16 with 4-bit kernels (the shipping path: a
-    head file read into the quantised model)."""
+    head file read into the quantised model), and with the shipped head."""
     from m2r2.tokenizer import messages_for
 
     e = real_engine
@@ -302,3 +302,5 @@ def test_real_model_eagle_is_lossless_in_fp32_and_bf16(real_engine, real_engine_
         out = engine.generate_ids(ids, "eagle", gen, adapters=str(path), adaptive=False)
         assert out.tokens == ref
         assert out.stats["verify_passes"] < len(ref)  # some drafts were accepted
+    shipped = real_engine_bf16.generate_ids(ids, "eagle", gen, adaptive=False)  # the head in m2r2/adapters/
+    assert shipped.tokens == ref and shipped.stats["verify_passes"] < len(ref)
