@@ -770,9 +770,10 @@ def _add_seeded_commands(sub: argparse._SubParsersAction) -> None:
         help="train an EAGLE-style feature head (the `eagle` baseline, drafts token trees) from a training store",
         description="Trains an EAGLE head (fc([h_N(t), E(x_t+1)]) + one decoder layer copied from the base's "
         "last, predicting h_N(t+1); the frozen base norm and LM head over the draft vocabulary) on a store "
-        "from `m2r2 store`: feature smooth-L1 (--feat-w) + CE to the full model (--ce-w), with the loop, "
-        f"checkpoints and resume of train-seeded. Writes DIR/eagle.safetensors (+ .json); `--method eagle` "
-        f"reads {DEFAULT_EAGLE} by default (or `--option adapters=PATH`).",
+        "from `m2r2 store`: feature smooth-L1 (--feat-w) + CE to the full model (--ce-w), depths 2..--chain "
+        "on its own predicted features, with the loop, checkpoints and resume of train-seeded. Writes "
+        "DIR/eagle.safetensors (+ .json); `--method eagle` reads `--option adapters=PATH`, else the shipped "
+        f"head, else {DEFAULT_EAGLE}.",
     )
     _add_store_train_args(te, str(DEFAULT_EAGLE.parent), "head", "EAGLE head to start from")
     te.add_argument("--chain", type=int, default=3, help="draft depths trained per position (default 3; 1 = EAGLE-1)")
