@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from m2r2.errors import InputError, M2R2Error, SettingsError
-from m2r2.paths import DEFAULT_ANSWERS, DEFAULT_DRAFT, DEFAULT_MEDUSA, DEFAULT_TRAIN_PROMPTS
+from m2r2.paths import DEFAULT_ANSWERS, DEFAULT_DRAFT, DEFAULT_EAGLE, DEFAULT_MEDUSA, DEFAULT_TRAIN_PROMPTS
 
 if TYPE_CHECKING:  # types only: the CLI imports torch only for a command that runs
     from m2r2.decoding.base import GenerationConfig
@@ -99,7 +99,7 @@ def _add_gen_args(p: argparse.ArgumentParser) -> None:
         default=[],
         metavar="KEY=VALUE",
         help="method option, repeatable (m2r2: adapters=PATH, max_draft=8, stop_below=0.2, adaptive=false; "
-        "medusa: adapters=PATH (Medusa heads), max_nodes=8, width=2, branch=2; "
+        "medusa, eagle: adapters=PATH (Medusa heads, EAGLE head), max_nodes=8, width=2, branch=2; "
         "lookahead: window=5, ngram=4, candidates=5; hf-early-exit: exit_layer=10)",
     )
 
@@ -444,13 +444,14 @@ def cmd_train_mod(args: argparse.Namespace) -> int:
 
 
 def cmd_eval_align(args: argparse.Namespace) -> int:
+    from m2r2.decoding.eagle import is_head_file
     from m2r2.decoding.medusa import is_heads_file
     from m2r2.multirate.io import adapter_kind, read_meta
     from m2r2.training.evaluate import eval_align, markdown
 
     path = Path(args.adapters) if args.adapters else None
-    if path and (is_heads_file(path) or adapter_kind(read_meta(path)["config"]) == "seeded"):
-        args.dtype, args.kernel = "fp32", "plain"  # seeded and Medusa reports run the training form in float32
+    if path and (is_heads_file(path) or is_head_file(path) or adapter_kind(read_meta(path)["config"]) == "seeded"):
+        args.dtype, args.kernel = "fp32", "plain"  # seeded, Medusa, EAGLE reports run the training form in float32
     engine = _engine(args, quiet=args.json)
     rep = eval_align(
         engine,
@@ -692,7 +693,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--batch", type=int, default=8, help="prompts answered together (default 8)")
     e.add_argument("--block", type=int, default=1, help="draft block length emulated (default 1)")
     e.add_argument(
-        "--adapters", default=None, help="adapter or Medusa heads .safetensors (default: the shipped adapters)"
+        "--adapters", default=None, help="adapter, Medusa heads or EAGLE head .safetensors (default: shipped adapters)"
     )
     e.add_argument("--answers", default=None, help="JSONL to save the base model's answers to, or reuse them from")
     e.add_argument(
@@ -784,6 +785,22 @@ def _add_seeded_commands(sub: argparse._SubParsersAction) -> None:
     _add_store_train_args(tmd, str(DEFAULT_MEDUSA.parent), "heads", "Medusa heads to start from")
     tmd.add_argument("--heads", type=int, default=4, help="heads: draft depths (default 4)")
     tmd.set_defaults(func=cmd_train_medusa)
+
+    te = sub.add_parser(
+        "train-eagle",
+        help="train an EAGLE-style feature head (the `eagle` baseline, drafts token trees) from a training store",
+        description="Trains an EAGLE head (fc([h_N(t), E(x_t+1)]) + one decoder layer copied from the base's "
+        "last, predicting h_N(t+1); the frozen base norm and LM head over the draft vocabulary) on a store "
+        "from `m2r2 store`: feature smooth-L1 (--feat-w) + CE to the full model (--ce-w), depths 2..--chain "
+        "on its own predicted features, with the loop, checkpoints and resume of train-seeded. Writes "
+        "DIR/eagle.safetensors (+ .json); `--method eagle` reads `--option adapters=PATH`, else the shipped "
+        f"head, else {DEFAULT_EAGLE}.",
+    )
+    _add_store_train_args(te, str(DEFAULT_EAGLE.parent), "head", "EAGLE head to start from")
+    te.add_argument("--chain", type=int, default=3, help="draft depths trained per position (default 3; 1 = EAGLE-1)")
+    te.add_argument("--feat-w", type=float, default=1.0, help="feature regression loss weight (default 1.0)")
+    te.add_argument("--ce-w", type=float, default=0.1, help="cross-entropy loss weight (default 0.1)")
+    te.set_defaults(func=cmd_train_eagle)
 
 
 def _add_store_train_args(p: argparse.ArgumentParser, out: str, what: str, init: str) -> None:
@@ -904,6 +921,10 @@ def cmd_train_medusa(args: argparse.Namespace) -> int:
     return _train_from_store(args, "medusa")
 
 
+def cmd_train_eagle(args: argparse.Namespace) -> int:
+    return _train_from_store(args, "eagle")
+
+
 def _train_from_store(args: argparse.Namespace, kind: str) -> int:
     from tqdm import tqdm
 
@@ -933,6 +954,11 @@ def _train_from_store(args: argparse.Namespace, kind: str) -> int:
     if kind == "seeded":
         s = st.SeededTrainSettings(**common, depth=args.depth, rank=args.rank, chain=args.chain)
         train, name = st.train_seeded, "adapters"
+    elif kind == "eagle":
+        from m2r2.training import eagle_train as et
+
+        s = et.EagleTrainSettings(**common, chain=args.chain, feat_w=args.feat_w, ce_w=args.ce_w)
+        train, name = et.train_eagle, "eagle"
     elif kind == "draft":
         s = dt.DraftTrainSettings(**common, depth=args.depth)
         train, name = dt.train_draft, "draft"

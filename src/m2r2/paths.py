@@ -13,6 +13,8 @@ from m2r2.errors import InputError, SettingsError
 DEFAULT_ANSWERS = Path("runs/distill/answers.jsonl")
 #: Medusa heads: written by ``m2r2 train-medusa``, read by method ``medusa`` when none ship for the model.
 DEFAULT_MEDUSA = Path("runs/medusa/heads.safetensors")
+#: EAGLE head: written by ``m2r2 train-eagle``, read by method ``eagle`` when none ships for the model.
+DEFAULT_EAGLE = Path("runs/eagle/eagle.safetensors")
 DEFAULT_DRAFT = Path("runs/draft/draft.safetensors")
 #: Training prompts shared by the project (relative to the repository root).
 DEFAULT_TRAIN_PROMPTS = Path("../shared/data/train/prompts.jsonl")

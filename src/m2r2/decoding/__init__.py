@@ -26,6 +26,7 @@ BUILTIN = (
     "autoregressive",
     "deed",
     "dynamic",
+    "eagle",
     "exits",
     "hf",
     "lookahead",

@@ -148,7 +148,8 @@ def begin(
     Returns ``(t0, stopper, cache, logits)`` with the prompt's last-position logits ``[1, 1, V]``.
     One place for this is what gives every method the same cache capacity (so their outputs are
     bit-identical) and the same stopping rules. ``last_hidden``, when given, receives the final slow
-    state of the prompt's last position (``[1, 1, d]``; seeded drafters start from it).
+    state of the prompt's last position (``[1, 1, d]``; seeded drafters start from it), then that of
+    every prompt position (``[1, n, d]``; EAGLE's cache takes them in).
     ``new_cache`` allocates the cache of a given capacity (default ``model.new_cache``; the server
     lends pooled ones).
     """
@@ -161,9 +162,9 @@ def begin(
     tokens = torch.tensor([prompt], device=model.device)
     if last_hidden is None:  # through ``model(...)``: wrappers that hook each forward pass see it
         return t0, stopper, cache, model(tokens, cache, 0, last_only=True)
-    h = model.run_layers(model.embed_tokens(tokens), cache, 0)[:, -1:]
-    last_hidden.append(h)
-    return t0, stopper, cache, model.head(h)
+    h = model.run_layers(model.embed_tokens(tokens), cache, 0)
+    last_hidden += [h[:, -1:], h]
+    return t0, stopper, cache, model.head(h[:, -1:])
 
 
 def warp_probs(logits: Tensor, gen: GenerationConfig) -> Tensor:

@@ -1,12 +1,15 @@
 """Token trees verified in one slow pass: M2R2 self-speculation with the seeded fast stream, and any
-other :class:`TreeDrafter` (Medusa heads, :mod:`m2r2.decoding.medusa`) on the same footing.
+other :class:`TreeDrafter` (Medusa heads, :mod:`m2r2.decoding.medusa`; an EAGLE head,
+:mod:`m2r2.decoding.eagle`) on the same footing.
 
 Round: the slow stream has verified ``L`` positions and produced the next token ``x`` and the final
 state ``h_N(L-1)``. A drafter grows a tree under ``x``: depth by depth, the ``width`` most probable
 open nodes (by path probability, the product of draft probabilities from the root) are expanded in
 one draft step, each adding its ``branch`` most likely children. The seeded fast stream
 (:mod:`m2r2.multirate.seeded`) seeds each node's step with its parent's fast state; Medusa heads
-predict depth ``d`` from ``h_N(L-1)`` alone, so every node of a level gets the same children. The
+predict depth ``d`` from ``h_N(L-1)`` alone, so every node of a level gets the same children; an
+EAGLE head fuses each node's token with its parent's predicted final state, attending its own cache
+of the verified positions' true states (which it is handed after every verify pass). The
 tree kept for verification is the most probable nodes, as many as maximise expected tokens per
 second under measured costs (the drafter's start, draft levels and verify passes of k rows; a path's
 probability, calibrated online by how often drafts are accepted, is its chance of being accepted).
@@ -123,6 +126,11 @@ class TreeDrafter(Protocol):
 
     def logits(self, tree: Tree, frontier: list[int]) -> Tensor:
         """Sampling: draft logits ``[n or 1, V]`` (float32, -inf outside the draft vocabulary)."""
+
+    # Optional: a drafter with a memory of the sequence (EAGLE's own KV cache over verified features)
+    # also defines ``observe(cache, feats, tokens, first)``. It then receives the verified pairs
+    # ``(h_N(i), x_{i+1})`` for ``i = first..``: the prompt's after the prefill (``first`` 0) and,
+    # after each verify pass, the accepted rows' final slow states with the tokens that follow them.
 
 
 class SeededDrafter:
@@ -275,6 +283,9 @@ class TreeSpeculative:
         self.last_cache = cache
         state = self.make_drafter(cache)
         state.h_last = hidden[0]
+        observe = getattr(self.drafter, "observe", None)
+        if observe is not None:  # every prompt position's final state with the token after it
+            observe(cache, hidden[1][0, :-1], prompt[1:], 0)
         tok = sampler(logits[0, -1])
         emitted = [tok]
         while True:
@@ -368,6 +379,11 @@ class TreeSpeculative:
         state.drafted += n_rows - 1
         state.accepted += n
         cache.keep([verified + rows.index(r) for r in path], verified)
+        observe = getattr(self.drafter, "observe", None)
+        if observe is not None:  # the verified pairs: (h_N(verified - 1), tok), then each accepted node's
+            idx = torch.tensor([rows.index(r) for r in path[:-1]], dtype=torch.long, device=h.device)
+            feats = torch.cat([state.h_last.reshape(1, -1), h[0].index_select(0, idx)])
+            observe(cache, feats, [tree.tokens[r] for r in path], verified - 1)
         state.h_last = h[:, rows.index(path[-1])][:, None]
         return [*[tree.tokens[r] for r in path[1:]], nxt], n, n_rows - 1, accept_rate
 
