@@ -28,6 +28,7 @@ from m2r2.errors import SettingsError, UnknownNameError
 PAPER_METHODS = [
     "vanilla",
     "m2r2",
+    "eagle",
     "medusa",
     "two-model",
     "deed",
