@@ -107,19 +107,53 @@ def test_the_cache_holds_the_true_features_of_verified_positions_only():
     prompt = [7, 8, 9, 1, 2]
     out = strat.generate(prompt, GenerationConfig(max_new_tokens=40))
     assert out.stats["verify_rows_per_pass"] > out.stats["mean_accepted"] > 1.0  # accepted and rejected nodes
-    seq = torch.tensor([prompt + out.tokens])
+    _assert_memory_is_true(strat, strat.last_cache, eagle_head(model, 0.2, 12), prompt + out.tokens)
+
+
+def _assert_memory_is_true(strat: TreeSpeculative, cache, fresh: EagleHead, tokens: list[int]) -> None:
+    """The EAGLE cache of ``cache``'s sequence ``tokens`` holds what the training form computes from the
+    true features (``fresh``: an unfrozen copy of the head)."""
+    model = strat.model
+    seq = torch.tensor([tokens])
     n = seq.shape[1] - 1  # verified positions
-    fresh = eagle_head(model, 0.2, 12)
     with torch.no_grad():
         hidden = model.run_layers(model.embed_tokens(seq[:, :n]), model.new_cache(n), 0)
         x = fresh.fuse(hidden, seq[:, 1 : n + 1])
         cos, sin = model.rope(0, n, x.dtype)
         _, k, v = fresh.layer.attn.qkv(fresh.layer.attn_norm(x), cos, sin)
-    mem = strat.drafter.memories[strat.last_cache]
+    mem = strat.drafter.memories[cache]
     ck, cv = mem.cache.view(0, mem.fed)
-    assert mem.fed >= n - 8
+    assert mem.lo == 0 and mem.fed >= n - 8
     torch.testing.assert_close(ck, k[:, :, : mem.fed], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(cv, v[:, :, : mem.fed], atol=1e-4, rtol=1e-4)
+
+
+@torch.inference_mode()
+def test_plain_steps_between_rounds_keep_the_memory_true():
+    """The server interleaves tree rounds with batched one-token steps (``step_rows``): through
+    ``prefilled`` and ``stepped`` the EAGLE cache still holds every verified position's true pair."""
+    from m2r2.decoding.base import Sampler, begin
+
+    model = random_model(13)
+    strat = strategy(model, eagle_head(model, 0.2, 13), 8, 4, 2, 2)
+    prompt, gen, hidden = [7, 8, 9, 1, 2], GenerationConfig(max_new_tokens=60), []
+    _, stopper, cache, logits = begin(model, prompt, gen, [], None, hidden)
+    state, sampler = strat.make_drafter(cache), Sampler(gen, model.device)
+    state.h_last = hidden[0]
+    strat.prefilled(cache, hidden[1], prompt)
+    tok = sampler(logits[0, -1])
+    seq = [*prompt, tok]
+    for i in range(8):
+        if i % 3 == 2:  # a plain step, as the server's batched decoding runs it
+            h = model.step_rows([tok], [cache])
+            strat.stepped(state, cache, tok, h[:1])
+            emitted = [int(model.head(h[:1])[0, -1].argmax())]
+        else:
+            emitted, *_ = strat.round(state, cache, tok, stopper, 1.0, gen, sampler)
+        seq += emitted
+        tok = emitted[-1]
+    assert state.passes == 6 and state.accepted > 0
+    _assert_memory_is_true(strat, cache, eagle_head(model, 0.2, 13), seq)
 
 
 @pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.7, 4, 0.9)])

@@ -283,9 +283,7 @@ class TreeSpeculative:
         self.last_cache = cache
         state = self.make_drafter(cache)
         state.h_last = hidden[0]
-        observe = getattr(self.drafter, "observe", None)
-        if observe is not None:  # every prompt position's final state with the token after it
-            observe(cache, hidden[1][0, :-1], prompt[1:], 0)
+        self.prefilled(cache, hidden[1], prompt)
         tok = sampler(logits[0, -1])
         emitted = [tok]
         while True:
@@ -386,6 +384,21 @@ class TreeSpeculative:
             observe(cache, feats, [tree.tokens[r] for r in path], verified - 1)
         state.h_last = h[:, rows.index(path[-1])][:, None]
         return [*[tree.tokens[r] for r in path[1:]], nxt], n, n_rows - 1, accept_rate
+
+    def prefilled(self, cache: KVCache, h: Tensor, prompt: list[int]) -> None:
+        """A drafter with its own memory of verified states (EAGLE) sees every prompt position's final
+        slow state ``h`` ``[1, n, d]`` with the token after it."""
+        observe = getattr(self.drafter, "observe", None)
+        if observe is not None:
+            observe(cache, h[0, :-1], prompt[1:], 0)
+
+    def stepped(self, state: TreeState, cache: KVCache, tok: int, h: Tensor) -> None:
+        """A plain step (the server's batched decoding) put ``tok`` in ``cache`` and produced its final
+        slow state ``h``: the drafter's memory gets the pair (previous state, ``tok``), the seed moves on."""
+        observe = getattr(self.drafter, "observe", None)
+        if observe is not None and state.h_last is not None:
+            observe(cache, state.h_last.reshape(1, -1), [tok], cache.length - 2)
+        state.h_last = h
 
     def _level_cost(self) -> float:
         """One more draft level plus one more verify row, in one-token steps."""

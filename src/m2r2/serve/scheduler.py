@@ -289,8 +289,9 @@ class Scheduler:
         if self.spec is not None:
             job.drafter = self.spec.make_drafter(job.cache)
             job.accept_rate = self.spec.prior_accept
-            if hasattr(job.drafter, "h_last"):  # a seeded drafter starts from the prompt's final slow state
+            if hasattr(job.drafter, "h_last"):  # a tree drafter starts from the prompt's final slow state
                 job.drafter.h_last = hidden[0]
+                self.spec.prefilled(job.cache, hidden[1], job.prompt)  # type: ignore[union-attr]
             if hasattr(job.drafter, "observe"):  # a chain drafter (a draft model's own cache) sees the prompt
                 job.drafter.observe(job.prompt)
         self._push(job, [job.sampler(logits[0, -1])])
@@ -329,8 +330,8 @@ class Scheduler:
         self.counts["peak_batch"] = max(self.counts["peak_batch"], len(jobs))
         for b, job in enumerate(jobs):
             job.batched_steps += 1
-            if hasattr(job.drafter, "h_last"):  # keep a seeded drafter's seed current across batched steps
-                job.drafter.h_last = hidden[b : b + 1]
+            if hasattr(job.drafter, "h_last"):  # keep a tree drafter's seed (and memory) current across batched steps
+                self.spec.stepped(job.drafter, job.cache, job.tok, hidden[b : b + 1])  # type: ignore[union-attr]
             if hasattr(job.drafter, "observe"):  # and a draft model's context
                 job.drafter.observe([job.tok])
             assert job.sampler is not None
