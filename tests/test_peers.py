@@ -260,3 +260,22 @@ def test_real_model_bf16_deed_is_lossless(real_engine_bf16):
     out = e.generate_ids(ids, "deed", gen, adaptive=False, max_draft=4, stop_below=0.0, exits="4,7,10", threshold=0.5)
     assert out.tokens == ref
     assert out.stats["mean_exit_layer"] < 10  # drafts did exit early (and later ones ran just in time)
+
+
+def test_eval_align_reports_a_draft_models_agreement(tmp_path, capsys, tiny_model):
+    """`m2r2 eval-align --adapters DRAFT` scores the draft model's next-token agreement on held-out answers:
+    a full copy of the base (every layer) agrees everywhere."""
+    from tests.test_cli import run_cli
+
+    from m2r2.engine import Engine
+
+    e = Engine(str(tiny_model(0)), dtype="fp32", quiet=True)
+    whole = SmallDraft(e.model, DraftConfig.build(e.model.cfg.num_layers, e.model.cfg.num_layers)).copy_base()
+    path = save_draft(tmp_path / "d.safetensors", whole, e.fingerprint, torch.float32)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": i, "turns": [f"write {i} words"]}) + "\n" for i in range(3)))
+    rc, out, err = run_cli(capsys, "eval-align", "--model", str(tiny_model(0)), "--dataset", str(prompts),
+                           "--max-new-tokens", "12", "--adapters", str(path))  # fmt: skip
+    assert rc == 0, err
+    rep = json.loads(out)
+    assert rep["kind"] == "small-draft" and rep["agree_per_draft_position"] == [1.0]

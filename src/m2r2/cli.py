@@ -444,13 +444,16 @@ def cmd_train_mod(args: argparse.Namespace) -> int:
 
 
 def cmd_eval_align(args: argparse.Namespace) -> int:
+    from m2r2 import weightfile
     from m2r2.decoding.eagle import is_head_file
     from m2r2.decoding.medusa import is_heads_file
+    from m2r2.decoding.two_model import DRAFT
     from m2r2.multirate.io import adapter_kind, read_meta
     from m2r2.training.evaluate import eval_align, markdown
 
     path = Path(args.adapters) if args.adapters else None
-    if path and (is_heads_file(path) or is_head_file(path) or adapter_kind(read_meta(path)["config"]) == "seeded"):
+    trained = is_heads_file(path) or is_head_file(path) or weightfile.is_kind(path, DRAFT) if path else False
+    if path and (trained or adapter_kind(read_meta(path)["config"]) == "seeded"):
         args.dtype, args.kernel = "fp32", "plain"  # seeded, Medusa, EAGLE reports run the training form in float32
     engine = _engine(args, quiet=args.json)
     rep = eval_align(

@@ -66,6 +66,15 @@ def read_meta(path: Path, kind: Kind) -> dict[str, Any]:
     return meta
 
 
+def is_kind(path: Path, kind: Kind) -> bool:
+    """Whether ``path`` is a file of ``kind`` (by its sidecar; any other file is someone else's to judge)."""
+    try:
+        read_meta(path, kind)
+    except WeightsError:
+        return False
+    return True
+
+
 def load(path: Path, kind: Kind, fingerprint: str) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """The tensors and sidecar of a bound file, after the fingerprint and checksum checks."""
     path = Path(path).with_suffix(".safetensors")

@@ -302,10 +302,7 @@ def load_head(path: Path, model: Transformer, fingerprint: str) -> EagleHead:
 
 def is_head_file(path: Path) -> bool:
     """Whether ``path`` names an EAGLE head (by its sidecar; any other file is someone else's to judge)."""
-    try:
-        return weightfile.read_meta(path, HEAD) is not None
-    except WeightsError:
-        return False
+    return weightfile.is_kind(path, HEAD)
 
 
 @register(

@@ -149,10 +149,7 @@ def load_heads(path: Path, model: Transformer, fingerprint: str) -> MedusaHeads:
 
 def is_heads_file(path: Path) -> bool:
     """Whether ``path`` names Medusa heads (by its sidecar; any other file is someone else's to judge)."""
-    try:
-        return weightfile.read_meta(path, HEADS) is not None
-    except WeightsError:
-        return False
+    return weightfile.is_kind(path, HEADS)
 
 
 def heads_path(fingerprint: str, path: Path | None = None) -> Path:

@@ -164,11 +164,14 @@ def eval_align(
 
     ``answers`` keeps those answers (JSONL) so that several adapters are compared on the same ones.
     """
+    from m2r2 import weightfile
     from m2r2.decoding.eagle import is_head_file, load_head
     from m2r2.decoding.medusa import is_heads_file, load_heads
+    from m2r2.decoding.two_model import DRAFT, load_draft
     from m2r2.multirate.io import load_default
     from m2r2.multirate.seeded import SeededFastStream
     from m2r2.training.distill import generate_batch
+    from m2r2.training.draft_train import draft_trainee
     from m2r2.training.eagle_train import eagle_trainee
     from m2r2.training.seeded_train import held_out_agreement, medusa_trainee, seeded_trainee
 
@@ -178,6 +181,9 @@ def eval_align(
     elif adapters is not None and is_head_file(adapters):  # EAGLE: depths 1..4 on its own features
         stream = load_head(adapters, engine.model, engine.fingerprint)
         trainee = eagle_trainee(stream)
+    elif adapters is not None and weightfile.is_kind(adapters, DRAFT):  # a draft model: next-token agreement
+        stream = load_draft(adapters, engine.model, engine.fingerprint)
+        trainee = draft_trainee(stream)
     else:
         stream = load_default(engine.model, engine.fingerprint, adapters)
         trainee = seeded_trainee(stream, chain=4) if isinstance(stream, SeededFastStream) else None
