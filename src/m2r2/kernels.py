@@ -152,11 +152,19 @@ class Int4Linear(nn.Module):
     to bf16 in the ``mkldnn`` kernel. It reads a quarter of bf16's bytes per step, and each row's
     result does not depend on how many rows are batched (tested), so verification stays lossless.
     Multi-row passes cost more than with oneDNN bf16 (about 3.5x at 8 rows), which the speculative
-    methods' measured cost model accounts for. Any other weights get plain 4-bit min/max
-    quantisation (lossy).
+    methods' measured cost model accounts for.
+
+    Q4_K (the Qwen2.5-Coder-1.5B GGUF's layers) is the same thing per sub-block of 32
+    (``w = d * sc * q - dmin * m``), but its quantiser may leave ``q = 15`` (or 0) unused in a block;
+    such blocks are recovered on the grid that spans ``j < 15`` steps (:meth:`_on_grid`), so those
+    layers are exact too. Any other weights (Q6_K, Q5_0, random) get plain 4-bit min/max
+    quantisation (lossy); ``exact`` says which case a layer is.
     """
 
     GROUP = 32
+    #: How far (in steps) a weight may sit off its grid point: float32 rounding of the de-quantisation
+    #: is ~1e-6 of a step, a weight of another grid is typically a sizable fraction of one.
+    TOL = 1e-3
 
     def __init__(self, lin: nn.Linear, source: Tensor | None = None) -> None:
         super().__init__()
@@ -166,12 +174,50 @@ class Int4Linear(nn.Module):
         blocks = w.view(n, k // g, g)
         lo = blocks.amin(-1)
         step = (blocks.amax(-1) - lo) / 15.0
-        q = ((blocks - lo[..., None]) / step.clamp_min(1e-30)[..., None]).round().clamp(0, 15)
+        r = (blocks - lo[..., None]) / step.clamp_min(1e-30)[..., None]  # in steps above the block's minimum
+        q = r.round()
+        off = (r - q).abs_().amax(-1) > self.TOL
+        del r
+        q.clamp_(0, 15)
+        self.exact = self._on_grid(blocks, lo, step, q, off)
         self.in_features, self.out_features = lin.in_features, lin.out_features
         self.bias = lin.bias
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(n, k).to(torch.int32), 2)
         # the kernel computes (q - 8) * scale + zero
         self.scales_zeros = torch.stack([step.t(), (lo + 8.0 * step).t()], dim=-1).contiguous().to(torch.bfloat16)
+
+    @classmethod
+    def _on_grid(cls, blocks: Tensor, lo: Tensor, step: Tensor, q: Tensor, off: Tensor, probe: int = 64) -> bool:
+        """Whether every block lies on a 4-bit grid, moving the blocks ``off`` their min/max grid onto the
+        grid of ``j`` steps between min and max (``j`` = 14..1) where that one fits (``step`` and ``q`` are
+        updated in place).
+
+        ``probe`` misfits are tried first, so a layer that is not 4-bit (Q6_K: every block off every
+        grid) costs one cheap pass, not fourteen.
+        """
+        bad = off.nonzero(as_tuple=True)
+        if bad[0].numel() == 0:
+            return True
+        b = blocks[bad] - lo[bad][:, None]
+        span = step[bad] * 15.0
+        left = torch.ones(b.shape[0], dtype=torch.bool)
+        for limit in (probe, None):
+            idx = left.nonzero().squeeze(1)[:limit]
+            for j in range(14, 0, -1):
+                st = span[idx] / j
+                r = b[idx] / st[:, None]
+                qj = r.round()
+                ok = (r - qj).abs_().amax(-1) <= cls.TOL
+                hit = idx[ok]
+                step[bad[0][hit], bad[1][hit]] = st[ok]
+                q[bad[0][hit], bad[1][hit]] = qj[ok]
+                left[hit] = False
+                idx = idx[~ok]
+                if idx.numel() == 0:
+                    break
+            if idx.numel():
+                return False
+        return True
 
     @classmethod
     def fits(cls, lin: nn.Module) -> bool:

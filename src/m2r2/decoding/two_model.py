@@ -284,16 +284,35 @@ def load_draft(path: Path, base: Transformer, fingerprint: str) -> SmallDraft:
     return draft
 
 
+def default_draft(engine: Loaded) -> str | Path:
+    """What ``two-model`` drafts with when no ``draft`` is given: the draft-model file shipped for this
+    base model, else its bundled sibling (``BundledModel.draft``: Qwen2.5-Coder-0.5B for the 1.5B), else a
+    fresh ``m2r2 train-draft`` run's default output; a one-line error if none is there."""
+    from m2r2.loading import BUNDLED, bundled_gguf, bundled_name
+
+    if shipped := weightfile.bundled(DRAFT, engine.fingerprint):
+        return shipped
+    name = bundled_name(engine.model_dir)
+    sibling = BUNDLED[name].draft if name else None
+    if sibling is None:
+        return weightfile.given_or_shipped(None, DRAFT, engine.fingerprint, DEFAULT_DRAFT)
+    try:
+        bundled_gguf(sibling)  # its parts installed? (checked before anything loads)
+    except WeightsError as e:
+        raise WeightsError(f"two-model drafts for {name} with {sibling} unless given --option draft=...; {e}") from None
+    return sibling
+
+
 def draft_for(engine: Loaded, spec: str | None) -> DraftModel:
-    """The draft model ``spec`` names: a draft-model file, else a model with the target's tokenizer;
-    None = the file shipped for this base model, else a fresh ``m2r2 train-draft`` run's default output."""
-    path = Path(spec) if spec else weightfile.given_or_shipped(None, DRAFT, engine.fingerprint, DEFAULT_DRAFT)
-    if path.suffix in (".safetensors", ".json"):
-        return load_draft(path, engine.model, engine.fingerprint).to(engine.model.device).freeze()
+    """The draft model ``spec`` names: a draft-model file, else a model with the target's tokenizer (a
+    bundled name, a .gguf or an HF directory); None = :func:`default_draft`."""
+    spec = str(spec or default_draft(engine))
+    if Path(spec).suffix in (".safetensors", ".json"):
+        return load_draft(Path(spec), engine.model, engine.fingerprint).to(engine.model.device).freeze()
     from m2r2.loading import load_model, parse_dtype, resolve_model
     from m2r2.tokenizer import ChatTokenizer
 
-    model_dir = resolve_model(str(spec), quiet=True)
+    model_dir = resolve_model(spec, quiet=True)
     if ChatTokenizer(model_dir).hf.get_vocab() != engine.tokenizer.hf.get_vocab():
         raise SettingsError(
             f"draft model {spec} has another tokenizer than the target; 2-model drafting needs the same"

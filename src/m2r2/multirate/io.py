@@ -99,6 +99,15 @@ def load_adapters(path: Path, model: Transformer, fingerprint: str) -> FastStrea
     return with_weights(stream_for(model, meta["config"]), sd, path)
 
 
+def read_draft_vocab(path: Path, vocab_size: int) -> torch.Tensor | None:
+    """The draft vocabulary stored in an adapter file (None if it has none), checksum checked, for *any* base
+    model with the file's tokenizer: token ids belong to the tokenizer, not to the weights, so Qwen2.5-Coder-1.5B
+    trains on the 0.5B's (built from the 0.5B's own answers) instead of scoring all 151,936 tokens."""
+    path = Path(path).with_suffix(".safetensors")
+    sd, _ = weightfile.load(path, ADAPTERS, read_meta(path).get("base_fingerprint", ""))
+    return check_vocab(sd[DRAFT_VOCAB], vocab_size, path) if DRAFT_VOCAB in sd else None
+
+
 def check_vocab(ids: torch.Tensor, vocab_size: int, where: object) -> torch.Tensor:
     """A draft vocabulary as sorted unique int64 ids inside the model's vocabulary, or a WeightsError."""
     ids = ids.long().flatten()
