@@ -241,3 +241,31 @@ def test_a_suite_report_plots_each_dataset(tmp_path: Path) -> None:
     single.mkdir()
     write_report({**env, "dataset": "koala", "methods": {"vanilla": row("koala", "vanilla", 10.0)}}, single)
     assert [p.name for p in single.glob("*.png")] == ["speed.png"]
+
+
+def test_each_prompt_starts_one_method_later() -> None:
+    """Interleaving rotates the method order prompt by prompt (a slow method's after-effects, or the
+    first run after a prompt switch, do not always land on the same method); results keep the given order."""
+    from types import SimpleNamespace
+
+    from m2r2.bench.datasets import Dataset, Prompt
+    from m2r2.bench.harness import run_one
+    from m2r2.decoding.base import GenerationConfig, GenerationResult
+
+    calls: list[tuple[str, str]] = []
+
+    class Recorder:
+        def strategy(self, method: str, **options):
+            return None
+
+        def chat(self, messages, method: str, gen, **options):
+            calls.append((messages[-1]["content"], method))
+            return SimpleNamespace(text="x", result=GenerationResult([1, 2], 0.1, "length", 1))
+
+    methods = ["vanilla", "m2r2", "medusa"]
+    data = Dataset("d", Path("d.jsonl"), [Prompt(str(i), "s", None, (f"p{i}",)) for i in range(4)])
+    summary, rows = run_one(Recorder(), data, methods, GenerationConfig(max_new_tokens=2), 0)  # type: ignore[arg-type]
+    firsts = [m for i, (prompt, m) in enumerate(calls) if i % 3 == 0]
+    assert firsts == ["vanilla", "m2r2", "medusa", "vanilla"]
+    assert [list(r["methods"]) for r in rows] == [methods] * 4 and list(summary) == methods
+    assert all(r["methods"]["medusa"]["speedup"] == 1.0 for r in rows)
