@@ -217,6 +217,10 @@ def test_store_resumes_after_a_kill_without_duplicates_and_refuses_bad_stores(tm
         build_store(
             e.model, e.fingerprint, enc, tmp_path / "whole", StoreSettings(data=str(data), max_len=16, kv_layers=1)
         )
+    bf16 = StoreSettings(data=str(data), max_len=32, batch=3, shard_sequences=5, kv_layers=1, precision="bf16")
+    with pytest.raises(SettingsError, match="other data or settings"):  # `store --dtype bf16` resuming an fp32 store
+        build_store(e.model, e.fingerprint, enc, tmp_path / "whole", bf16)
+    assert "precision" not in s.to_dict() and bf16.to_dict()["precision"] == "bf16"  # older fp32 stores still resume
     with pytest.raises(InputError, match="not a training store"):
         TrainStore(tmp_path / "nothing")
 

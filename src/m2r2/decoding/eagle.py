@@ -15,9 +15,10 @@ That cache holds the true features of every verified position: the prefill's sta
 each verify pass the accepted rows' slow states (which the pass computed anyway) with their next
 tokens (:meth:`EagleDrafter.observe`, called by :class:`~m2r2.decoding.tree.TreeSpeculative`). They
 are run through the layer lazily, as extra rows of the next round's first draft level (one pass);
-tree nodes' K/V stay outside the cache (rejected drafts never pollute it). A sequence seen from the
-middle (a server's batched steps between rounds) forgets what came before the gap: drafts get worse,
-never wrong, since verification decides every token. Heads are trained from a training store by
+tree nodes' K/V stay outside the cache (rejected drafts never pollute it). The server's batched steps
+between rounds report their pairs too (:meth:`~m2r2.decoding.tree.TreeSpeculative.stepped`); a sequence
+seen from the middle anyway forgets what came before the gap: drafts get worse, never wrong, since
+verification decides every token. Heads are trained from a training store by
 ``m2r2 train-eagle`` (:mod:`m2r2.training.eagle_train`) and kept as ``NAME.safetensors`` +
 ``NAME.json`` bound to the base model's fingerprint.
 """
