@@ -148,6 +148,23 @@ def test_bench_option_names_its_method() -> None:
         _scoped_options(["adapters=a:b"])
 
 
+def test_method_variants_and_suite_methods_are_planned_and_checked(tmp_path: Path) -> None:
+    """``NAME@LABEL`` runs NAME under options of its own; ``--methods`` replaces a suite's methods."""
+    from m2r2.bench.harness import method_of, plan
+
+    assert method_of("m2r2@nolookup") == "m2r2" and method_of("vanilla") == "vanilla"
+    settings = _settings(tmp_path, dataset=None, methods=[], suite="paper")
+    assert [d for d, _ in plan(settings)] == ["mt_bench", "koala", "self_instruct", "wizardlm"]
+    assert all("eagle" in m for _, m in plan(settings))
+    settings.methods = ["vanilla", "m2r2", "m2r2@nolookup"]
+    assert all(m == ["vanilla", "m2r2", "m2r2@nolookup"] for _, m in plan(settings))
+    with pytest.raises(SettingsError, match="takes no option bogus"):  # a variant's options are its method's
+        run_bench(Untouchable(), _settings(tmp_path, methods=["vanilla", "m2r2@x"], options={"m2r2@x": {"bogus": 1}}))  # type: ignore[arg-type]
+    with pytest.raises(UnknownNameError, match="nope@x"):
+        run_bench(Untouchable(), _settings(tmp_path, methods=["vanilla", "nope@x"]))  # type: ignore[arg-type]
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.fixture(scope="module")
 def engine(real_engine):
     return real_engine
@@ -269,3 +286,28 @@ def test_each_prompt_starts_one_method_later() -> None:
     assert firsts == ["vanilla", "m2r2", "medusa", "vanilla"]
     assert [list(r["methods"]) for r in rows] == [methods] * 4 and list(summary) == methods
     assert all(r["methods"]["medusa"]["speedup"] == 1.0 for r in rows)
+
+
+def test_report_table_puts_the_drafting_counts_beside_the_timings() -> None:
+    from m2r2.bench.report import markdown_table
+
+    base = {
+        "dataset": "d",
+        "tokens_per_s": 30.0,
+        "speedup": 1.0,
+        "identical": 1.0,
+        "mean_new_tokens": 9.0,
+        "total_seconds": 2.0,
+    }
+    results = {
+        "methods": {
+            "vanilla": {**base, "method": "vanilla"},
+            "m2r2": {**base, "method": "m2r2", "mean_accepted": 1.5, "acceptance_rate": 0.25,
+                     "copied_accepted_per_token": 0.125, "draft_cost": 0.1},
+        }
+    }  # fmt: skip
+    lines = markdown_table(results).splitlines()
+    assert [c.strip() for c in lines[0].strip("|").split("|")][6:10] == [
+        "mean accepted", "acceptance", "copied/token", "draft cost",
+    ]  # fmt: skip
+    assert "| - | - | - | - |" in lines[2] and "| 1.50 | 0.25 | 0.12 | 0.10 |" in lines[3]

@@ -140,7 +140,7 @@ def test_plain_steps_between_rounds_keep_the_memory_true():
     _, stopper, cache, logits = begin(model, prompt, gen, [], None, hidden)
     state, sampler = strat.make_drafter(cache), Sampler(gen, model.device)
     state.h_last = hidden[0]
-    strat.prefilled(cache, hidden[1], prompt)
+    strat.prefilled(state, cache, hidden[1], prompt)
     tok = sampler(logits[0, -1])
     seq = [*prompt, tok]
     for i in range(8):

@@ -20,7 +20,7 @@ from m2r2.decoding.base import GenerationConfig
 from m2r2.decoding.deed import DeedDrafter
 from m2r2.decoding.speculative import FastStreamDrafter, SelfSpeculative
 from m2r2.decoding.two_model import DraftConfig, FullDraft, ModelDrafter, SmallDraft, load_draft, save_draft
-from m2r2.errors import WeightsError
+from m2r2.errors import InputError, WeightsError
 from m2r2.multirate.fast import FastConfig, FastStream
 
 
@@ -162,6 +162,23 @@ def test_a_separate_full_draft_model_drafts_over_the_targets_vocabulary():
     with torch.inference_mode():
         logits = draft.logits(other.embed_tokens(torch.tensor([[1]])))
     assert logits.shape[-1] == 64 and bool(torch.isinf(logits[..., 60:]).all())
+
+
+def test_a_full_draft_model_over_a_draft_vocabulary_scores_only_those_rows():
+    """The sibling's head cut to the draft vocabulary: the same logits there, -inf elsewhere, lossless."""
+    model, other = tiny_model(3), tiny_model(4)
+    vocab = torch.tensor([0, 2, 5, 9, 11, 17, 23, 31, 40, 63])
+    full, cut = FullDraft(other, model.cfg.vocab_size), FullDraft(other, model.cfg.vocab_size, vocab)
+    with torch.inference_mode():
+        h = other.embed_tokens(torch.tensor([[1, 7]]))
+        a, b = full.logits(h), cut.logits(h)
+    torch.testing.assert_close(b[..., vocab], a[..., vocab])
+    keep = torch.zeros(64, dtype=torch.bool)
+    keep[vocab] = True
+    assert bool(torch.isinf(b[..., ~keep]).all())
+    strat = loop(model, lambda c: ModelDrafter(cut, c.max_len), 4)
+    gen = GenerationConfig(max_new_tokens=40)
+    assert strat.generate([1, 2, 3], gen).tokens == Autoregressive(model, []).generate([1, 2, 3], gen).tokens
 
 
 @pytest.mark.parametrize("peer", ["deed", "two-model"])
@@ -325,6 +342,10 @@ def test_two_model_drafts_with_the_bundled_sibling_by_default(tmp_path, monkeypa
     ref = e.generate_ids(ids, "vanilla", gen).tokens
     assert e.generate_ids(ids, "two-model", gen, adaptive=False, stop_below=0.0).tokens == ref
     assert e.generate_ids(ids, "two-model", gen, draft="qwen2.5-coder-0.5b", adaptive=False).tokens == ref
+    opts = {"draft": "qwen2.5-coder-0.5b", "adaptive": False, "draft_vocab": "none"}
+    assert e.generate_ids(ids, "two-model", gen, **opts).tokens == ref
+    with pytest.raises(InputError, match="draft_vocab: no adapter file"):
+        e.generate_ids(ids, "two-model", gen, **{**opts, "draft_vocab": str(tmp_path / "nope.safetensors")})
     # another tokenizer (one token more): refused
     other = shutil.copytree(tiny_model(1), tmp_path / "other")
     tok = AutoTokenizer.from_pretrained(other)

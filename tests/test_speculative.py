@@ -347,6 +347,26 @@ def test_real_model_bf16_speculative_and_lookahead_are_lossless(real_engine_bf16
     assert out.method == "m2r2" and "mean_accepted" in out.result.stats
 
 
+@pytest.mark.slow
+def test_real_model_bf16_m2r2_with_prompt_lookup_is_lossless(real_engine_bf16):
+    """A second turn that asks to rewrite the first answer (MT-Bench's pattern): copied nodes are
+    accepted and the answer is vanilla's, bit for bit, in the default precision."""
+    from m2r2.tokenizer import messages_for
+
+    e = real_engine_bf16
+    gen = GenerationConfig(max_new_tokens=48)
+    first = messages_for("Write a short poem about the sea.")
+    answer = e.generate_ids(e.tokenizer.encode_chat(first), "vanilla", gen).tokens
+    turn2 = [*first, {"role": "assistant", "content": e.tokenizer.decode(answer)}]
+    turn2.append({"role": "user", "content": "Rewrite your previous response in the same words."})
+    for msgs in (first, turn2):
+        ids = e.tokenizer.encode_chat(msgs)
+        ref = e.generate_ids(ids, "vanilla", gen).tokens
+        out = e.generate_ids(ids, "m2r2", gen, lookup=6)
+        assert out.tokens == ref
+    assert out.stats["copied_accepted_per_token"] > 0
+
+
 def test_cost_cache_reuses_fresh_measurements_and_remeasures_bad_ones(tmp_path, monkeypatch) -> None:
     """Measured draft/verify costs are kept per machine and drafter shape; stale or damaged ones are redone."""
     import json

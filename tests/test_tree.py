@@ -42,17 +42,21 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("seed", "depth", "noise", "nodes", "width", "branch", "dtype"), CASES * 2)
-def test_greedy_tree_speculation_equals_plain_greedy(seed, depth, noise, nodes, width, branch, dtype):
+@pytest.mark.parametrize("lookup", [0, 5])
+@pytest.mark.parametrize(("seed", "depth", "noise", "nodes", "width", "branch", "dtype"), CASES)
+def test_greedy_tree_speculation_equals_plain_greedy(seed, depth, noise, nodes, width, branch, dtype, lookup):
+    """With prompt lookup on, prompts repeat a random phrase so that copied nodes join the trees."""
     rng = random.Random(seed)
     model = tiny_model(seed, dtype=dtype)
     fold = seed % 2 == 1
     vocab = rng.sample(range(64), 40) if fold else None
     fast = seeded_stream(model, depth, noise, seed, fold, vocab)
-    strat = TreeSpeculative("m2r2", model, fast, [], None, nodes, rng.randint(1, 6), width, branch)
+    strat = TreeSpeculative("m2r2", model, fast, [], None, nodes, rng.randint(1, 6), width, branch, lookup=lookup)
     passes = 0
     for _ in range(3):
         prompt = [rng.randrange(64) for _ in range(rng.randint(1, 30))]
+        if lookup:
+            prompt = (prompt * 3)[: rng.randint(len(prompt), 3 * len(prompt))]
         gen = GenerationConfig(max_new_tokens=rng.randint(1, 60))
         ref = Autoregressive(model, []).generate(prompt, gen)
         out = strat.generate(prompt, gen)
@@ -66,6 +70,28 @@ def test_greedy_tree_speculation_equals_plain_greedy(seed, depth, noise, nodes, 
         n = len(prompt) + len(out.tokens) - 1
         assert strat.last_cache.length == n
         assert torch.allclose(strat.last_cache.k[:, :, :, :n].float(), fresh.k[:, :, :, :n].float(), atol=2e-2)
+
+
+@pytest.mark.parametrize("fast_noise", [0.0, 3.0])
+def test_prompt_lookup_copies_are_accepted_and_the_output_stays_plain_greedy(fast_noise):
+    """A tiny random model's greedy output soon loops, which prompt lookup can copy: copied nodes are
+    verified and accepted (alone when the fast stream is made useless by noise, or merged into its
+    trees), the tokens stay plain greedy, and sampling never copies."""
+    model = tiny_model(21)
+    fast = seeded_stream(model, 1, fast_noise, 21, fold=True)
+    prompt = [5, 9, 14, 2, 5, 9, 14, 2, 33]
+    gen = GenerationConfig(max_new_tokens=80)
+    ref = Autoregressive(model, []).generate(prompt, gen)
+    plain = TreeSpeculative("m2r2", model, fast, [], None, 8, 4, 2, 2).generate(prompt, gen)
+    copying = TreeSpeculative("m2r2", model, fast, [], None, 8, 4, 2, 2, lookup=6).generate(prompt, gen)
+    assert copying.tokens == plain.tokens == ref.tokens
+    assert plain.stats["copied_accepted_per_token"] == 0.0
+    assert copying.stats["copied_accepted_per_token"] > 0.1, copying.stats
+    if fast_noise:  # copies alone save passes; with a good fast stream they may merge with its drafts
+        assert copying.stats["verify_passes"] < plain.stats["verify_passes"]
+    sampled = GenerationConfig(max_new_tokens=40, temperature=0.8, seed=3)
+    out = TreeSpeculative("m2r2", model, fast, [], None, 8, 4, 2, 2, lookup=6).generate(prompt, sampled)
+    assert out.stats["copied_accepted_per_token"] == 0.0
 
 
 def test_eos_inside_an_accepted_path_stops_where_plain_greedy_stops():
@@ -122,7 +148,15 @@ def test_tree_speculative_sampling_reproduces_the_target_distribution(temperatur
 def test_bad_tree_settings_are_refused():
     model = tiny_model(1)
     fast = seeded_stream(model, 1, 0.0, 1, fold=False)
-    for kw in ({"max_nodes": 0}, {"max_nodes": 40}, {"width": 0}, {"branch": 0}, {"max_depth": 0}):
+    for kw in (
+        {"max_nodes": 0},
+        {"max_nodes": 40},
+        {"width": 0},
+        {"branch": 0},
+        {"max_depth": 0},
+        {"lookup": -1},
+        {"lookup": 40},
+    ):
         args = {"max_nodes": 8, "max_depth": 5, "width": 2, "branch": 2, **kw}
         with pytest.raises(SettingsError):
             TreeSpeculative("m2r2", model, fast, [], None, **args)

@@ -98,8 +98,9 @@ def _add_gen_args(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="method option, repeatable (m2r2: adapters=PATH, max_draft=8, stop_below=0.2, adaptive=false; "
-        "medusa, eagle: adapters=PATH (Medusa heads, EAGLE head), max_nodes=8, width=2, branch=2; "
+        help="method option, repeatable (m2r2: adapters=PATH, max_nodes=8, width=2, branch=2, lookup=N "
+        "(prompt-lookup tokens per round, 0 = off), adaptive=false; prefix adapters: max_draft=8, stop_below=0.2; "
+        "medusa, eagle: adapters=PATH (Medusa heads, EAGLE head), max_nodes=8, width=2, branch=2, lookup=N; "
         "lookahead: window=5, ngram=4, candidates=5; hf-early-exit: exit_layer=10)",
     )
 
@@ -275,7 +276,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return _bench_serve(args)
     settings = BenchSettings(
         dataset=args.dataset,
-        methods=[m.strip() for m in args.methods.split(",") if m.strip()],
+        methods=[m.strip() for m in (args.methods or "").split(",") if m.strip()],
         limit=args.limit,
         max_new_tokens=args.max_new_tokens,
         out_dir=Path(args.out),
@@ -558,15 +559,20 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--suite",
         default=None,
-        help="a named set of runs that replaces --dataset/--methods: 'paper' = MT-Bench, Koala, "
-        "Self-Instruct, WizardLM x (vanilla, m2r2 and every peer: eagle, medusa, two-model, deed, early-exit-spec, "
-        "lookahead, hf, hf-pld, hf-early-exit), one plot per dataset; "
+        help="a named set of runs that replaces --dataset: 'paper' = MT-Bench, Koala, "
+        "Self-Instruct, WizardLM x (vanilla, m2r2 and every lossless peer: eagle, medusa, two-model, deed, "
+        "early-exit-spec, lookahead, hf-pld; --methods replaces these), one plot per dataset; "
         "'dynamic' = quality-vs-speedup sweeps of the lossy early-exit methods on the same four datasets; "
         "'moe' = expert offloading policies (on-demand, next-gate, m2r2, oracle) on an MoE model "
         "(default: the MoEfied bundled model) over --bandwidths x --cache-fractions on --dataset; 'serve' = "
         "aggregate tokens/s, TTFT and inter-token latency of `m2r2 serve` at 1, 2, 4, 8 concurrent streams",
     )
-    b.add_argument("--methods", default="vanilla,hf,hf-pld", help="comma-separated methods; the first is the baseline")
+    b.add_argument(
+        "--methods",
+        default=None,
+        help="comma-separated methods, the first is the baseline (default vanilla,hf,hf-pld; a suite's own); "
+        "NAME@LABEL runs NAME under options of its own, e.g. m2r2@nolookup with --option m2r2@nolookup:lookup=0",
+    )
     b.add_argument("--limit", type=int, default=10, help="number of prompts (default 10; 0 = all)")
     b.add_argument("--max-new-tokens", type=int, default=128, help="token budget per turn (default 128)")
     b.add_argument("--warmup", type=int, default=1, help="warm-up prompts per method, not timed (default 1)")

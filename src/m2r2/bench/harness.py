@@ -45,25 +45,33 @@ SPECIAL_SUITES = tuple(RUNNERS)
 SUITES: dict[str, list[tuple[str, list[str]]]] = {
     "paper": [(d, PAPER_METHODS) for d in ("mt_bench", "koala", "self_instruct", "wizardlm")],
 }
-#: The dataset of a plain run (no --suite, no --dataset).
+#: The dataset and methods of a plain run (no --suite, no --dataset / --methods).
 DEFAULT_DATASET = "mt_bench"
+DEFAULT_METHODS = ["vanilla", "hf", "hf-pld"]
 
 
 def plan(settings: BenchSettings) -> list[tuple[str, list[str]]]:
-    """The (dataset, methods) runs of ``settings``: one run, or the runs of a named suite."""
+    """The (dataset, methods) runs of ``settings``: one run, or the runs of a named suite (whose
+    methods ``settings.methods`` replaces when given)."""
     if settings.suite is None:
-        return [(settings.dataset or DEFAULT_DATASET, settings.methods)]
+        return [(settings.dataset or DEFAULT_DATASET, settings.methods or DEFAULT_METHODS)]
     if settings.suite not in SUITES:
         names = ", ".join([*SUITES, *SPECIAL_SUITES])
         raise UnknownNameError(f"unknown suite {settings.suite!r}; available: {names}")
-    return SUITES[settings.suite]
+    return [(dataset, settings.methods or methods) for dataset, methods in SUITES[settings.suite]]
+
+
+def method_of(entry: str) -> str:
+    """The method an entry of ``--methods`` runs: ``NAME@LABEL`` is method NAME under options of its
+    own (``--option NAME@LABEL:KEY=VALUE``), so one run can hold an ablation row beside the default."""
+    return entry.partition("@")[0]
 
 
 def _check_methods(methods: list[str]) -> None:
     if not methods:
         raise SettingsError("no methods given")
     known = method_names()
-    if bad := [m for m in methods if m not in known]:
+    if bad := [m for m in methods if method_of(m) not in known]:
         raise UnknownNameError(f"unknown method(s) {', '.join(bad)}; choose from {', '.join(known)}")
     if len(set(methods)) != len(methods):
         raise SettingsError(f"a method is listed twice: {', '.join(methods)}")
@@ -74,7 +82,7 @@ def _check_options(options: dict[str, dict[str, Any]], runs: list[tuple[str, lis
     used = {m for _, methods in runs for m in methods}
     if bad := sorted(set(options) - used):
         raise SettingsError(f"--option for method(s) not in this run: {', '.join(bad)}")
-    return {m: check_options(m, opts) for m, opts in options.items()}
+    return {m: check_options(method_of(m), opts) for m, opts in options.items()}
 
 
 def answer(
@@ -88,7 +96,7 @@ def answer(
     seconds = 0.0
     for turn in prompt.turns:
         messages.append({"role": "user", "content": turn})
-        out = engine.chat(messages, method=method, gen=gen, **(options or {}))
+        out = engine.chat(messages, method=method_of(method), gen=gen, **(options or {}))
         messages.append({"role": "assistant", "content": out.text})
         ids.append(out.result.tokens)
         texts.append(out.text)
@@ -129,9 +137,10 @@ def run_one(
     summaries and rows (methods in the given order)."""
     options = options or {}
     for method in methods:
-        engine.strategy(method, **options.get(method, {}))  # load models (e.g. transformers) before any timing
+        name, opts = method_of(method), options.get(method, {})
+        engine.strategy(name, **opts)  # load models (e.g. transformers) before any timing
         for p in data.prompts[:warmup]:
-            engine.chat([{"role": "user", "content": p.turns[0]}], method=method, gen=gen, **options.get(method, {}))
+            engine.chat([{"role": "user", "content": p.turns[0]}], method=name, gen=gen, **opts)
     rows: list[dict[str, Any]] = []
     for i, p in enumerate(
         tqdm(data.prompts, desc=f"{data.name} ({', '.join(methods)})", unit="prompt", file=sys.stderr)

@@ -118,6 +118,7 @@ OPTION_RANGES: dict[str, tuple[float | None, float | None]] = {
     "min_layer": (1, None),
     "max_layer": (1, None),
     "depth": (1, None),
+    "lookup": (0, None),
 }
 
 

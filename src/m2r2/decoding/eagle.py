@@ -320,10 +320,11 @@ def _eagle(
     max_depth: int = 5,
     width: int = 2,
     branch: int = 2,
+    lookup: int = 6,
 ) -> TreeSpeculative:
     """The same tree verifier and settings as ``m2r2`` and ``medusa``; only the drafter differs."""
     given = Path(adapters) if adapters else None
     path = weightfile.given_or_shipped(given, HEAD, engine.fingerprint, DEFAULT_EAGLE)
     head = load_head(path, engine.model, engine.fingerprint).to(engine.model.device).freeze()
-    tree = (max_nodes, max_depth, width, branch)
+    tree = (max_nodes, max_depth, width, branch, lookup)
     return build_tree_speculative("eagle", engine, EagleDrafter(head), adaptive, cost_cache, *tree)

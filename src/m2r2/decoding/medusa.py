@@ -168,9 +168,10 @@ def _medusa(
     max_depth: int = 5,
     width: int = 2,
     branch: int = 2,
+    lookup: int = 6,
 ) -> TreeSpeculative:
     """The same tree verifier and settings as ``m2r2``; only the drafter differs."""
     path = heads_path(engine.fingerprint, Path(adapters) if adapters else None)
     heads = load_heads(path, engine.model, engine.fingerprint).to(engine.model.device).freeze()
-    tree = (max_nodes, max_depth, width, branch)
+    tree = (max_nodes, max_depth, width, branch, lookup)
     return build_tree_speculative("medusa", engine, MedusaDrafter(heads), adaptive, cost_cache, *tree)

@@ -311,6 +311,7 @@ def _m2r2(
     max_depth: int = 5,
     width: int = 2,
     branch: int = 2,
+    lookup: int = 6,
 ) -> SelfSpeculative | TreeSpeculative:
     """Seeded adapters (the shipped default where they exist) draft token trees; prefix adapters draft chains."""
     from m2r2.multirate.io import bundled_adapters, load_default
@@ -320,7 +321,7 @@ def _m2r2(
     fast = load_default(engine.model, engine.fingerprint, path)
     if isinstance(fast, SeededFastStream):
         drafter = SeededDrafter(fast.to(engine.model.device).freeze(merge=True))
-        tree = (max_nodes, max_depth, width, branch)
+        tree = (max_nodes, max_depth, width, branch, lookup)
         return build_tree_speculative("m2r2", engine, drafter, adaptive, cost_cache, *tree)
     return build_self_speculative("m2r2", engine, fast, max_draft, stop_below, use_arla, adaptive, cost_cache)
 

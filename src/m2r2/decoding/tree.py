@@ -44,6 +44,7 @@ from m2r2.decoding.base import (
     warp_probs,
 )
 from m2r2.decoding.costs import cached_costs, cost_cache_path
+from m2r2.decoding.lookup import LookupStats, NgramIndex
 from m2r2.errors import SettingsError
 from m2r2.kernels import head_argmax
 from m2r2.model import ROW_INVARIANT_MAX_ROWS, Transformer
@@ -76,6 +77,28 @@ class Tree:
     depths: list[int]
     scores: list[float]  # path probability of each node (root 1.0)
     probs: list[Tensor | None] = field(default_factory=list)  # sampling: the draft distribution of each node
+    copied: list[int] = field(default_factory=list)  # prompt lookup's chain under the root, by depth
+    copy_probs: dict[int, float] = field(default_factory=dict)  # node -> its calibrated path probability as a copy
+
+    def value(self, r: int, calib: float) -> float:
+        """Chance that node ``r`` is accepted: its calibrated draft path probability, or as a copy."""
+        return max(min(1.0, calib * self.scores[r]), self.copy_probs.get(r, 0.0))
+
+    def add_copies(self, tokens: list[int], probs: list[float]) -> None:
+        """Merge prompt lookup's chain under the root: shared prefixes reuse drafted nodes."""
+        r = 0
+        for t, p in zip(tokens, probs, strict=True):
+            kid = next((i for i, q in enumerate(self.parents) if q == r and self.tokens[i] == t), None)
+            if kid is None:
+                self.tokens.append(t)
+                self.parents.append(r)
+                self.depths.append(self.depths[r] + 1)
+                self.scores.append(0.0)
+                self.probs.append(None)
+                kid = len(self.tokens) - 1
+            self.copied.append(kid)
+            self.copy_probs[kid] = p
+            r = kid
 
     def ancestors(self, rows: list[int]) -> Tensor:
         """``[n, n]`` boolean: row i sees row j when j is i or an ancestor of i (among ``rows``)."""
@@ -104,6 +127,9 @@ class TreeState:
     drafted: int = 0
     accepted: int = 0
     draft_steps: int = 0
+    context: NgramIndex | None = None  # prompt lookup: every token before the round's root
+    copies: LookupStats = field(default_factory=LookupStats)
+    copied_accepted: int = 0
 
 
 class TreeDrafter(Protocol):
@@ -186,6 +212,7 @@ class TreeSpeculative:
         width: int = 2,
         branch: int = 2,
         costs: TreeCosts | None = None,
+        lookup: int = 0,
     ) -> None:
         limit = min(CACHE_SLACK, ROW_INVARIANT_MAX_ROWS) - 1
         if not 1 <= max_nodes <= limit:
@@ -193,11 +220,13 @@ class TreeSpeculative:
         for opt, val in (("max_depth", max_depth), ("width", width), ("branch", branch)):
             if not 1 <= val <= limit:
                 raise SettingsError(f"{opt} must be in 1..{limit}, got {val}")
+        if not 0 <= lookup <= limit:
+            raise SettingsError(f"lookup must be in 0..{limit} (0 = off), got {lookup}")
         if isinstance(drafter, SeededFastStream):
             drafter = SeededDrafter(drafter)
         self.name, self.model, self.drafter, self.eos_ids, self.decode = name, model, drafter, eos_ids, decode
         self.max_nodes, self.max_depth, self.width, self.branch = max_nodes, max_depth, width, branch
-        self.costs = costs
+        self.costs, self.lookup = costs, lookup
         self.last_cache: KVCache | None = None
 
     # ---- drafting -------------------------------------------------------------------------------
@@ -248,15 +277,18 @@ class TreeSpeculative:
 
     def choose(self, tree: Tree, room: int, calib: float, draft_steps: int) -> list[int]:
         """Tree rows to verify: the root plus the most probable nodes, as many as maximise the expected
-        tokens per second (the top-n set by path probability is closed under ancestors)."""
-        order = sorted(range(1, len(tree.tokens)), key=lambda r: -tree.scores[r])[: min(self.max_nodes, room)]
+        tokens per second (the top-n set by path probability is closed under ancestors: a child's
+        probability never exceeds its parent's, and a stable sort keeps a parent, created first, ahead
+        on ties)."""
+        order = sorted(range(1, len(tree.tokens)), key=lambda r: -tree.value(r, calib))[: min(self.max_nodes, room)]
         if self.costs is None:
             return [0, *sorted(order)]
         c = self.costs
-        draft_s = c.start + draft_steps * c.draft[min(self.width, len(c.draft)) - 1]  # spent already: scales every rate
+        # drafting already spent (it scales every rate); a round of copies alone spent nothing
+        draft_s = (c.start + draft_steps * c.draft[min(self.width, len(c.draft)) - 1]) if draft_steps else 0.0
         best_n, best_rate, gain = 0, 1.0 / (draft_s + c.verify[0]), 0.0
         for n, r in enumerate(order, start=1):
-            gain += min(1.0, calib * tree.scores[r])
+            gain += tree.value(r, calib)
             if n >= len(c.verify):
                 break
             rate = (1.0 + gain) / (draft_s + c.verify[n])
@@ -283,7 +315,7 @@ class TreeSpeculative:
         self.last_cache = cache
         state = self.make_drafter(cache)
         state.h_last = hidden[0]
-        self.prefilled(cache, hidden[1], prompt)
+        self.prefilled(state, cache, hidden[1], prompt)
         tok = sampler(logits[0, -1])
         emitted = [tok]
         while True:
@@ -308,6 +340,7 @@ class TreeSpeculative:
                 "acceptance_rate": state.accepted / state.drafted if state.drafted else 0.0,
                 "verify_rows_per_pass": state.rows / passes if passes else 0.0,
                 "verify_passes_per_token": passes / ntok,
+                "copied_accepted_per_token": state.copied_accepted / ntok,
                 "draft_layers_per_token": state.draft_steps * self.drafter.layers_per_level / ntok,
                 "layers_per_token": (passes * n_layers + state.draft_steps * self.drafter.layers_per_level) / ntok,
                 **(
@@ -344,12 +377,19 @@ class TreeSpeculative:
         self._rng = sampler.rng
         verified = cache.length
         room = min(stopper.budget - len(stopper.tokens) - 1, cache.max_len - verified - 1, self.max_nodes)
-        rows = [0]
+        rows, steps = [0], 0
         tree = Tree([tok], [-1], [0], [1.0], [None])
         if room > 0 and self._worth_drafting(state):
             tree = self.draft(state.h_last, tok, cache, room, gen, state.calib)
             steps = max(tree.depths)
             state.draft_steps += steps
+        copies: list[int] = []
+        if state.context is not None:  # prompt lookup: the root joins the context, its continuation is proposed
+            state.context.extend([tok])
+            copies = state.context.propose(min(self.lookup, room)) if gen.greedy and room > 0 else []
+        if copies:
+            tree.add_copies(copies, state.copies.path_probs(len(copies)))
+        if len(tree.tokens) > 1:
             rows = self.choose(tree, room, state.calib, steps) if gen.greedy else self._chain(tree, room)
         n_rows = len(rows)
         ids = torch.tensor([[tree.tokens[r] for r in rows]], device=model.device)
@@ -363,13 +403,20 @@ class TreeSpeculative:
         out = head_argmax(model, h)[0] if gen.greedy else model.head(h)[0]
         path, nxt = self._accept(tree, rows, out, gen, sampler)
         n = len(path) - 1
+        offered = [r for r in tree.copied if r in rows]
+        if offered:  # the copied chain's rows are a prefix of it (ancestor-closed); count its depths
+            state.copies.record(len(offered), sum(1 for r in offered if r in path))
+            state.copied_accepted += sum(1 for r in path[1:] if r in tree.copy_probs)
+        if state.context is not None:
+            state.context.extend([tree.tokens[r] for r in path[1:]])
         predicted = sum(tree.scores[r] for r in rows[1:])
-        if predicted > 0:  # calibrate path probabilities against what was accepted
-            state.calib = 0.9 * state.calib + 0.1 * min(4.0, (n + 0.1) / (predicted + 0.1))
-        if n_rows > 1 and self.costs is not None:  # what this round's drafting gained and cost, in steps
+        if predicted > 0:  # calibrate the drafter's path probabilities against what of it was accepted
+            drafted_hits = sum(1 for r in path[1:] if tree.scores[r] > 0)
+            state.calib = 0.9 * state.calib + 0.1 * min(4.0, (drafted_hits + 0.1) / (predicted + 0.1))
+        if steps and self.costs is not None:  # what this round's drafting gained and cost, in steps
             c = self.costs
             level = c.draft[min(self.width, len(c.draft)) - 1]
-            spent = (c.start + max(tree.depths) * level + c.verify[n_rows - 1]) / c.verify[0]
+            spent = (c.start + steps * level + c.verify[n_rows - 1]) / c.verify[0]
             state.gain = 0.8 * state.gain + 0.2 * n
             state.cost = 0.8 * state.cost + 0.2 * (spent - 1.0)
         state.passes += 1
@@ -385,9 +432,12 @@ class TreeSpeculative:
         state.h_last = h[:, rows.index(path[-1])][:, None]
         return [*[tree.tokens[r] for r in path[1:]], nxt], n, n_rows - 1, accept_rate
 
-    def prefilled(self, cache: KVCache, h: Tensor, prompt: list[int]) -> None:
-        """A drafter with its own memory of verified states (EAGLE) sees every prompt position's final
-        slow state ``h`` ``[1, n, d]`` with the token after it."""
+    def prefilled(self, state: TreeState, cache: KVCache, h: Tensor, prompt: list[int]) -> None:
+        """After the prompt's prefill: prompt lookup indexes the prompt; a drafter with its own memory of
+        verified states (EAGLE) sees every prompt position's final slow state ``h`` ``[1, n, d]`` with
+        the token after it."""
+        if self.lookup:
+            state.context = NgramIndex(prompt)
         observe = getattr(self.drafter, "observe", None)
         if observe is not None:
             observe(cache, h[0, :-1], prompt[1:], 0)
@@ -398,6 +448,8 @@ class TreeSpeculative:
         observe = getattr(self.drafter, "observe", None)
         if observe is not None and state.h_last is not None:
             observe(cache, state.h_last.reshape(1, -1), [tok], cache.length - 2)
+        if state.context is not None:
+            state.context.extend([tok])
         state.h_last = h
 
     def _level_cost(self) -> float:
@@ -526,9 +578,11 @@ def build_tree_speculative(
     max_depth: int = 5,
     width: int = 2,
     branch: int = 2,
+    lookup: int = 0,
 ) -> TreeSpeculative:
     """A :class:`TreeSpeculative` drafting with ``drafter`` (in its inference form) and measured costs
-    (``adaptive``; kept per machine and drafter shape in ``$M2R2_CACHE/costs`` for a day when ``cost_cache``)."""
+    (``adaptive``; kept per machine and drafter shape in ``$M2R2_CACHE/costs`` for a day when ``cost_cache``),
+    plus up to ``lookup`` tokens of prompt lookup per round (0 = off; :mod:`m2r2.decoding.lookup`)."""
     model = engine.model
     costs = None
     if adaptive:
@@ -540,4 +594,5 @@ def build_tree_speculative(
         path = path.with_name(f"tree-{path.name}")
         costs = cached_costs(path, measure, _tree_costs) if cost_cache else measure()
     tok = engine.tokenizer
-    return TreeSpeculative(name, model, drafter, tok.eos_ids, tok.decode, max_nodes, max_depth, width, branch, costs)
+    tree = (max_nodes, max_depth, width, branch, costs, lookup)
+    return TreeSpeculative(name, model, drafter, tok.eos_ids, tok.decode, *tree)

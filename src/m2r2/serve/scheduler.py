@@ -291,7 +291,7 @@ class Scheduler:
             job.accept_rate = self.spec.prior_accept
             if hasattr(job.drafter, "h_last"):  # a tree drafter starts from the prompt's final slow state
                 job.drafter.h_last = hidden[0]
-                self.spec.prefilled(job.cache, hidden[1], job.prompt)  # type: ignore[union-attr]
+                self.spec.prefilled(job.drafter, job.cache, hidden[1], job.prompt)  # type: ignore[union-attr]
             if hasattr(job.drafter, "observe"):  # a chain drafter (a draft model's own cache) sees the prompt
                 job.drafter.observe(job.prompt)
         self._push(job, [job.sampler(logits[0, -1])])

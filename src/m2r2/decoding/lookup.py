@@ -1,0 +1,83 @@
+"""Prompt lookup as a second source of tree nodes: the continuation of the latest earlier occurrence
+of the context's last n-gram, verified in the same pass as the fast stream's tree.
+
+Why (measured, BENCHMARKS.md): the fast stream agrees with the full model on about a third of tokens,
+but answers often repeat what the context already holds (a rewrite of the previous turn, names and
+phrases of the question, code identifiers). There a copy is right for several tokens in a row at no
+drafting cost; where it is wrong it costs only the verify rows the cost model chose to spend on it.
+Each depth's chance of being right is learnt per sequence (:class:`LookupStats`), so the verifier's
+cost model weighs copied nodes against the fast stream's by how often each was accepted.
+
+Greedy only: a copied token has no draft distribution, and a tree of them would need its own exact
+acceptance rule under sampling; sampled requests draft with the fast stream alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class NgramIndex:
+    """The token context, indexed so that a proposal costs a few dict lookups whatever its length: for
+    each n-gram of ``min_n..max_n`` tokens, where its latest occurrence ended. A proposal follows the
+    longest n-gram that ends the context and also occurred earlier (most recent occurrence first)."""
+
+    def __init__(self, tokens: list[int] | None = None, max_n: int = 3, min_n: int = 2) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"n-gram sizes must satisfy 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.max_n, self.min_n = max_n, min_n
+        self.tokens: list[int] = []
+        self.ends: dict[tuple[int, ...], int] = {}  # n-gram -> index just past its latest occurrence
+        self.earlier: dict[int, int] = {}  # n -> where the final n-gram occurred before (if it did)
+        self.extend(tokens or [])
+
+    def extend(self, tokens: list[int]) -> None:
+        for t in tokens:
+            self.tokens.append(t)
+            end = len(self.tokens)
+            self.earlier = {}
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                key = tuple(self.tokens[end - n :])
+                before = self.ends.get(key)
+                if before is not None:
+                    self.earlier[n] = before
+                self.ends[key] = end
+
+    def propose(self, k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the latest earlier occurrence of the context's final n-gram."""
+        for n in range(self.max_n, self.min_n - 1, -1):
+            start = self.earlier.get(n)
+            if start is not None:
+                return self.tokens[start : start + k]
+        return []
+
+
+@dataclass
+class LookupStats:
+    """How often a copied token at each depth of a proposal was accepted, given its parent was: the
+    path probability of a copied node at depth d is the product of these rates up to d. A Beta(1, 1)
+    prior starts every depth at 1/2; the counts are per sequence (a rewrite request copies a lot, a
+    story little)."""
+
+    hits: list[float] = field(default_factory=list)
+    tries: list[float] = field(default_factory=list)
+
+    def path_probs(self, depth: int) -> list[float]:
+        self._grow(depth)
+        out, p = [], 1.0
+        for d in range(depth):
+            p *= (self.hits[d] + 1.0) / (self.tries[d] + 2.0)
+            out.append(p)
+        return out
+
+    def record(self, offered: int, accepted: int) -> None:
+        """``offered`` copied tokens of one chain were verified; its first ``accepted`` matched."""
+        self._grow(offered)
+        for d in range(min(offered, accepted + 1)):  # depths past the first miss were not really tried
+            self.tries[d] += 1.0
+            self.hits[d] += 1.0 if d < accepted else 0.0
+
+    def _grow(self, depth: int) -> None:
+        while len(self.hits) < depth:
+            self.hits.append(0.0)
+            self.tries.append(0.0)

@@ -1,0 +1,56 @@
+"""Prompt lookup's index and its per-depth acceptance rates (the tree verifier's use of them is
+tested in tests/test_tree.py)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from m2r2.decoding.lookup import LookupStats, NgramIndex
+
+
+def _slow_propose(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]:
+    """The definition, by scanning: the longest final n-gram's latest earlier occurrence, continued."""
+    for n in range(max_n, min_n - 1, -1):
+        if len(tokens) <= n:
+            continue
+        tail = tokens[-n:]
+        for end in range(len(tokens) - 1, n - 1, -1):
+            if tokens[end - n : end] == tail:
+                return tokens[end : end + k]
+    return []
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_index_proposes_what_a_scan_of_the_context_finds(seed):
+    rng = random.Random(seed)
+    max_n, min_n = rng.choice([(3, 2), (3, 1), (4, 3)])
+    index = NgramIndex(max_n=max_n, min_n=min_n)
+    tokens: list[int] = []
+    for _ in range(300):
+        new = [rng.randrange(6) for _ in range(rng.randint(1, 3))]
+        tokens += new
+        index.extend(new)
+        k = rng.randint(1, 8)
+        assert index.propose(k) == _slow_propose(tokens, k, max_n, min_n)
+
+
+def test_index_copies_the_latest_occurrence_and_refuses_bad_sizes():
+    index = NgramIndex([1, 2, 3, 4, 1, 2, 3, 9, 8, 1, 2, 3])
+    assert index.propose(3) == [9, 8, 1]  # the later of the two earlier "1 2 3"
+    assert NgramIndex([1, 2, 3]).propose(4) == []
+    with pytest.raises(ValueError):
+        NgramIndex(max_n=1, min_n=2)
+
+
+def test_stats_learn_per_depth_rates_and_count_only_depths_really_tried():
+    stats = LookupStats()
+    assert stats.path_probs(2) == [0.5, 0.25]
+    for _ in range(8):
+        stats.record(offered=4, accepted=1)  # depth 1 always right, depth 2 always wrong, 3-4 never reached
+    p = stats.path_probs(4)
+    assert p[0] == pytest.approx(9 / 10)
+    assert p[1] == pytest.approx(9 / 10 * 1 / 10)
+    assert stats.tries[2:] == [0.0, 0.0]  # past the first miss nothing was tried
+    assert p[0] > p[1] > p[2] > p[3]
