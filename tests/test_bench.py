@@ -150,12 +150,14 @@ def test_bench_option_names_its_method() -> None:
 
 def test_method_variants_and_suite_methods_are_planned_and_checked(tmp_path: Path) -> None:
     """``NAME@LABEL`` runs NAME under options of its own; ``--methods`` replaces a suite's methods."""
-    from m2r2.bench.harness import method_of, plan
+    from m2r2.bench.harness import method_of, plan, run_options
 
     assert method_of("m2r2@nolookup") == "m2r2" and method_of("vanilla") == "vanilla"
     settings = _settings(tmp_path, dataset=None, methods=[], suite="paper")
     assert [d for d, _ in plan(settings)] == ["mt_bench", "koala", "self_instruct", "wizardlm"]
-    assert all("eagle" in m for _, m in plan(settings))
+    assert all("eagle" in m and "m2r2@nolookup" in m for _, m in plan(settings))
+    assert run_options({}, plan(settings)) == {"m2r2@nolookup": {"lookup": 0}}  # the ablation row's own option
+    assert run_options({"m2r2@nolookup": {"lookup": 2}}, plan(settings))["m2r2@nolookup"] == {"lookup": 2}
     settings.methods = ["vanilla", "m2r2", "m2r2@nolookup"]
     assert all(m == ["vanilla", "m2r2", "m2r2@nolookup"] for _, m in plan(settings))
     with pytest.raises(SettingsError, match="takes no option bogus"):  # a variant's options are its method's

@@ -24,12 +24,14 @@ from m2r2.decoding.base import GenerationConfig
 from m2r2.engine import Engine
 from m2r2.errors import SettingsError, UnknownNameError
 
-#: The self-speculative comparison of the paper: ours, its ablation, and every lossless peer, vanilla
-#: first (transformers' plain and lossy early-exit `generate` run with --methods: they are not peers, and
-#: a 100-second `hf-early-exit` turn slowed whatever ran next).
+#: The self-speculative comparison of the paper: ours, its ablations (without prompt lookup; drafting by
+#: plain early exit), and every lossless peer, vanilla first (transformers' plain and lossy early-exit
+#: `generate` run with --methods: they are not peers, and a 100-second `hf-early-exit` turn slowed
+#: whatever ran next).
 PAPER_METHODS = [
     "vanilla",
     "m2r2",
+    "m2r2@nolookup",
     "eagle",
     "medusa",
     "two-model",
@@ -45,6 +47,8 @@ SPECIAL_SUITES = tuple(RUNNERS)
 SUITES: dict[str, list[tuple[str, list[str]]]] = {
     "paper": [(d, PAPER_METHODS) for d in ("mt_bench", "koala", "self_instruct", "wizardlm")],
 }
+#: Options of the ablation rows a run may name (``--option`` of the same entry overrides them).
+VARIANT_OPTIONS: dict[str, dict[str, Any]] = {"m2r2@nolookup": {"lookup": 0}}
 #: The dataset and methods of a plain run (no --suite, no --dataset / --methods).
 DEFAULT_DATASET = "mt_bench"
 DEFAULT_METHODS = ["vanilla", "hf", "hf-pld"]
@@ -77,12 +81,14 @@ def _check_methods(methods: list[str]) -> None:
         raise SettingsError(f"a method is listed twice: {', '.join(methods)}")
 
 
-def _check_options(options: dict[str, dict[str, Any]], runs: list[tuple[str, list[str]]]) -> dict[str, dict[str, Any]]:
-    """Per-method options, typed and range-checked; options for a method no run has are a mistake."""
+def run_options(options: dict[str, dict[str, Any]], runs: list[tuple[str, list[str]]]) -> dict[str, dict[str, Any]]:
+    """Per-method options of the runs (a named ablation row's own, :data:`VARIANT_OPTIONS`, under what
+    ``--option`` gives it), typed and range-checked; options for a method no run has are a mistake."""
     used = {m for _, methods in runs for m in methods}
     if bad := sorted(set(options) - used):
         raise SettingsError(f"--option for method(s) not in this run: {', '.join(bad)}")
-    return {m: check_options(method_of(m), opts) for m, opts in options.items()}
+    merged = {m: {**VARIANT_OPTIONS.get(m, {}), **options.get(m, {})} for m in used}
+    return {m: check_options(method_of(m), opts) for m, opts in merged.items() if opts}
 
 
 def answer(
@@ -189,7 +195,7 @@ def run_bench(engine: Engine, settings: BenchSettings) -> dict[str, Any]:
     runs = plan(settings)
     for _, methods in runs:
         _check_methods(methods)
-    options = _check_options(settings.options, runs)
+    options = run_options(settings.options, runs)
     loaded = [(load_dataset(name, settings.limit), methods) for name, methods in runs]
     out = check_out_dir(settings)
 
