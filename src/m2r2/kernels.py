@@ -369,6 +369,14 @@ def _row_norm_max(lin: nn.Module) -> float:
     return cached
 
 
+def widen_logits(sub: Tensor, ids: Tensor, vocab_size: int) -> Tensor:
+    """Logits over a draft vocabulary (``[..., len(ids)]``) as logits over all ``vocab_size`` tokens,
+    ``-inf`` elsewhere: every drafter that scores only the draft vocabulary's rows of a head still
+    returns a proper distribution, so speculative sampling stays exact."""
+    out = sub.new_full((*sub.shape[:-1], vocab_size), float("-inf"))
+    return out.index_copy_(-1, ids.to(sub.device), sub)
+
+
 def head_argmax(model: Transformer, h: Tensor) -> Tensor:
     """``model.head(row).argmax(-1)`` for every row of ``h`` (``[..., d]``: a verify pass's rows, or one
     row per sequence of a batched step) as if each ran alone, at about one head's cost.

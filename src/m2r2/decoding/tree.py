@@ -77,8 +77,8 @@ class Tree:
     depths: list[int]
     scores: list[float]  # path probability of each node (root 1.0)
     probs: list[Tensor | None] = field(default_factory=list)  # sampling: the draft distribution of each node
-    copied: list[int] = field(default_factory=list)  # prompt lookup's chain under the root, by depth
-    copy_probs: dict[int, float] = field(default_factory=dict)  # node -> its calibrated path probability as a copy
+    # prompt lookup's chain under the root, by depth: node -> its calibrated path probability as a copy
+    copy_probs: dict[int, float] = field(default_factory=dict)
 
     def value(self, r: int, calib: float) -> float:
         """Chance that node ``r`` is accepted: its calibrated draft path probability, or as a copy."""
@@ -96,7 +96,6 @@ class Tree:
                 self.scores.append(0.0)
                 self.probs.append(None)
                 kid = len(self.tokens) - 1
-            self.copied.append(kid)
             self.copy_probs[kid] = p
             r = kid
 
@@ -403,7 +402,7 @@ class TreeSpeculative:
         out = head_argmax(model, h)[0] if gen.greedy else model.head(h)[0]
         path, nxt = self._accept(tree, rows, out, gen, sampler)
         n = len(path) - 1
-        offered = [r for r in tree.copied if r in rows]
+        offered = [r for r in tree.copy_probs if r in rows]
         if offered:  # the copied chain's rows are a prefix of it (ancestor-closed); count its depths
             state.copies.record(len(offered), sum(1 for r in offered if r in path))
             state.copied_accepted += sum(1 for r in path[1:] if r in tree.copy_probs)

@@ -37,7 +37,7 @@ from m2r2.decoding import register
 from m2r2.decoding.costs import cached_costs, cost_cache_path, measure_costs
 from m2r2.decoding.speculative import Drafter, SelfSpeculative
 from m2r2.errors import InputError, SettingsError, WeightsError
-from m2r2.kernels import dense_weight, linear_like
+from m2r2.kernels import dense_weight, linear_like, widen_logits
 from m2r2.model import Block, RMSNorm, Transformer, attend
 from m2r2.paths import DEFAULT_DRAFT
 
@@ -193,10 +193,7 @@ class SmallDraft(nn.Module):
         if self.sub_head is None:
             return F.linear(self.norm(h), self.head_weight().to(h.dtype)).float()
         sub = self.sub_head(self.norm(h)).float()
-        if self.draft_vocab is None:
-            return sub
-        out = sub.new_full((*sub.shape[:-1], self.base.cfg.vocab_size), float("-inf"))
-        return out.index_copy_(-1, self.draft_vocab.to(sub.device), sub)
+        return sub if self.draft_vocab is None else widen_logits(sub, self.draft_vocab, self.base.cfg.vocab_size)
 
 
 class FullDraft:
@@ -223,9 +220,7 @@ class FullDraft:
         """The draft's logits cut or padded (``-inf``) to the target's vocabulary (padded embedding rows
         differ), ``-inf`` outside the draft vocabulary."""
         if self.sub_head is not None:
-            sub = self.sub_head(self.model.norm(h)).float()
-            out = sub.new_full((*sub.shape[:-1], self.vocab_size), float("-inf"))
-            return out.index_copy_(-1, self.draft_vocab, sub)
+            return widen_logits(self.sub_head(self.model.norm(h)).float(), self.draft_vocab, self.vocab_size)
         out = self.model.head(h)[..., : self.vocab_size]
         return F.pad(out, (0, self.vocab_size - out.shape[-1]), value=float("-inf"))
 

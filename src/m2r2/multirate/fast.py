@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from m2r2.cache import KVCache
 from m2r2.errors import InputError, SettingsError
-from m2r2.kernels import dense_weight, linear_like
+from m2r2.kernels import dense_weight, linear_like, widen_logits
 from m2r2.model import Block, Transformer, attend
 from m2r2.multirate.adapters import LayerAdapters
 from m2r2.multirate.arla import ARLA
@@ -304,9 +304,7 @@ class FastStream(nn.Module):
         """
         if self.sub_head is None or self.draft_vocab is None:
             return self.base.head(f)
-        sub = self.sub_head(self.base.norm(f)).float()
-        out = sub.new_full((*sub.shape[:-1], self.base.cfg.vocab_size), float("-inf"))
-        return out.index_copy_(-1, self.draft_vocab.to(sub.device), sub)
+        return widen_logits(self.sub_head(self.base.norm(f)).float(), self.draft_vocab, self.base.cfg.vocab_size)
 
     def draft_step(
         self,

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from m2r2.cache import KVCache
 from m2r2.errors import SettingsError
-from m2r2.kernels import dense_weight, linear_like
+from m2r2.kernels import dense_weight, linear_like, widen_logits
 from m2r2.model import Block, Transformer
 from m2r2.multirate.adapters import LayerAdapters
 from m2r2.multirate.arla import ARLA
@@ -143,8 +143,7 @@ class DraftHead:
         """Draft-vocabulary logits as full-vocabulary ones (-inf outside the draft vocabulary)."""
         if self.draft_vocab is None:
             return sub
-        out = sub.new_full((*sub.shape[:-1], self.base.cfg.vocab_size), float("-inf"))
-        return out.index_copy_(-1, self.draft_vocab.to(sub.device), sub)
+        return widen_logits(sub, self.draft_vocab, self.base.cfg.vocab_size)
 
     def top_of(self, sub: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """The ``k`` most probable token ids and their probabilities (``[..., k]``) of draft-vocabulary
