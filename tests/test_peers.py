@@ -20,7 +20,7 @@ from m2r2.decoding.base import GenerationConfig
 from m2r2.decoding.deed import DeedDrafter
 from m2r2.decoding.speculative import FastStreamDrafter, SelfSpeculative
 from m2r2.decoding.two_model import DraftConfig, FullDraft, ModelDrafter, SmallDraft, load_draft, save_draft
-from m2r2.errors import InputError, WeightsError
+from m2r2.errors import InputError, SettingsError, WeightsError
 from m2r2.multirate.fast import FastConfig, FastStream
 
 
@@ -261,6 +261,8 @@ def test_draft_training_on_a_store_learns_resumes_and_drafts(tmp_path, tiny_mode
     file = str(tmp_path / "long" / "draft.safetensors")
     out = e.generate_ids(ids, "two-model", gen, draft=file, adaptive=False, stop_below=0.0)
     assert out.tokens == ref.tokens and learned.num_layers == 1
+    with pytest.raises(SettingsError, match="draft-model file keeps its own vocabulary"):
+        e.generate_ids(ids, "two-model", gen, draft=file, draft_vocab="none")
     # a separate model with the same tokenizer as the draft
     full = e.generate_ids(ids, "two-model", gen, draft=str(tiny_model(1)), adaptive=False, stop_below=0.0)
     assert full.tokens == ref.tokens
@@ -311,7 +313,6 @@ def test_two_model_drafts_with_the_bundled_sibling_by_default(tmp_path, monkeypa
     from m2r2 import loading
     from m2r2.decoding.two_model import default_draft
     from m2r2.engine import Engine
-    from m2r2.errors import SettingsError
 
     assert loading.bundled_name(tmp_path / "SmolLM2-135M-Instruct.Q4_1-b179c9523d0e6a0f") == "smollm2-135m"
     assert loading.bundled_name(tmp_path / "my-own-model") is None

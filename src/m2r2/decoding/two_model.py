@@ -331,6 +331,8 @@ def draft_for(engine: Loaded, spec: str | None, vocab: str | None = None) -> Dra
     :func:`default_draft`."""
     spec = str(spec or default_draft(engine))
     if Path(spec).suffix in (".safetensors", ".json"):
+        if vocab is not None:
+            raise SettingsError("draft_vocab is for a separate model; a draft-model file keeps its own vocabulary")
         return load_draft(Path(spec), engine.model, engine.fingerprint).to(engine.model.device).freeze()
     from m2r2.loading import load_model, parse_dtype, resolve_model
     from m2r2.tokenizer import ChatTokenizer
