@@ -15,7 +15,8 @@ from collections import defaultdict
 
 from m2r2.decoding.lookup import NgramIndex
 
-runs = json.load(open(sys.argv[1]))["prompts"]
+with open(sys.argv[1]) as f:
+    runs = json.load(f)["prompts"]
 totals: dict[tuple[str, int], list[int]] = defaultdict(lambda: [0, 0, 0, 0])  # tokens, rounds, proposals, matched
 for p in runs:
     earlier: list[int] = []
@@ -38,5 +39,6 @@ for p in runs:
 for (dataset, turn), (tokens, rounds, proposals, matched) in sorted(totals.items()):
     print(
         f"{dataset} turn {turn}: {tokens} tokens in {rounds} rounds ({tokens / rounds:.2f} per round); "
-        f"a proposal in {proposals / rounds:.0%} of rounds, {matched / max(proposals, 1):.2f} tokens matched per proposal"
+        f"a proposal in {proposals / rounds:.0%} of rounds, "
+        f"{matched / max(proposals, 1):.2f} tokens matched per proposal"
     )

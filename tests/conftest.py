@@ -175,6 +175,16 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir: Pat
     return factory
 
 
+def skip_unless_kernel(model: torch.nn.Module, kernel: str) -> None:
+    """Skip the test where ``kernel`` cannot run ``model`` on this machine (no oneDNN bf16, no 4-bit op,
+    no AMX or C++ compiler for q4-amx, or layer widths the kernel does not take)."""
+    from m2r2.kernels import mkldnn_usable, q4_amx_usable, q4_usable
+
+    usable = {"plain": lambda m: True, "mkldnn": mkldnn_usable, "q4": q4_usable, "q4-amx": q4_amx_usable}[kernel]
+    if not usable(model):
+        pytest.skip(f"the {kernel} kernel cannot run this model here")
+
+
 def copy_model(src: Path, dst: Path) -> Path:
     """A private copy of a model directory that a test may damage."""
     shutil.copytree(src, dst)

@@ -67,15 +67,15 @@ def solo(engine: Engine, ids: list[int], max_tokens: int, method: str = "vanilla
 # --------------------------------------------------------------------------- the model's batched step
 
 
-@pytest.mark.parametrize("kernel", ["plain", "mkldnn", "q4"])
+@pytest.mark.parametrize("kernel", ["plain", "mkldnn", "q4", "q4-amx"])
 def test_step_rows_gives_each_sequence_its_lone_step_bits(kernel):
     """Sequences of different lengths and cache capacities in one step: each row = a lone step, K/V too."""
-    from m2r2.kernels import mkldnn_usable, q4_usable, use_kernels
+    from conftest import skip_unless_kernel
+    from m2r2.kernels import use_kernels
     from test_speculative import tiny_model as random_model
 
-    model = random_model(4, dtype=torch.bfloat16)
-    if (kernel == "mkldnn" and not mkldnn_usable(model)) or (kernel == "q4" and not q4_usable(model)):
-        pytest.skip(f"{kernel} kernels unavailable here")
+    model = random_model(4, dtype=torch.bfloat16, head_dim=16 if kernel == "q4-amx" else 8)  # q4-amx: widths of 64
+    skip_unless_kernel(model, kernel)
     use_kernels(model, kernel)
     g = torch.Generator().manual_seed(0)
     lens, caps = [5, 17, 40], [40, 30, 90]
@@ -106,18 +106,18 @@ def test_attention_over_several_caches_gives_each_its_lone_bits(dtype, heads, kv
     assert batches_requests_exactly(heads, kv_heads, head_dim, dtype, "cpu", torch.get_num_threads())
 
 
-@pytest.mark.parametrize("kernel", ["plain", "mkldnn", "q4"])
+@pytest.mark.parametrize("kernel", ["plain", "mkldnn", "q4", "q4-amx"])
 def test_pooled_step_rows_attend_once_per_size_class_with_lone_step_bits(kernel):
     """Five sequences in two size classes of one pool, interleaved: one attention call per class, and
     every row, and every cache, equal to lone steps; also after a sequence leaves mid-way (the last
     one of its class moves into its place)."""
+    from conftest import skip_unless_kernel
     from m2r2.decoding.base import cache_capacity
-    from m2r2.kernels import mkldnn_usable, q4_usable, use_kernels
+    from m2r2.kernels import use_kernels
     from test_speculative import tiny_model as random_model
 
-    model = random_model(4, dtype=torch.bfloat16)
-    if (kernel == "mkldnn" and not mkldnn_usable(model)) or (kernel == "q4" and not q4_usable(model)):
-        pytest.skip(f"{kernel} kernels unavailable here")
+    model = random_model(4, dtype=torch.bfloat16, head_dim=16 if kernel == "q4-amx" else 8)  # q4-amx: widths of 64
+    skip_unless_kernel(model, kernel)
     use_kernels(model, kernel)
     ctx = model.cfg.max_position_embeddings
     pool = model.new_pool(4)

@@ -251,16 +251,14 @@ def test_lookahead_refuses_sampling():
         Lookahead(tiny_model(1), []).generate([1], GenerationConfig(temperature=0.5))
 
 
-@pytest.mark.parametrize("kernel", ["plain", "mkldnn", "q4"])
+@pytest.mark.parametrize("kernel", ["plain", "mkldnn", "q4", "q4-amx"])
 def test_verify_rows_are_bit_identical_to_decoding_steps_in_bf16(kernel):
     """Lossless speculation needs row invariance: a k-token pass gives each row a decode step's bits."""
-    from m2r2.kernels import mkldnn_usable, q4_usable, use_kernels
+    from conftest import skip_unless_kernel
+    from m2r2.kernels import use_kernels
 
-    model = tiny_model(9, dtype=torch.bfloat16)
-    if kernel == "mkldnn" and not mkldnn_usable(model):
-        pytest.skip("oneDNN bf16 kernels unavailable here")
-    if kernel == "q4" and not q4_usable(model):
-        pytest.skip("the 4-bit CPU kernel is unavailable here")
+    model = tiny_model(9, dtype=torch.bfloat16, head_dim=16 if kernel == "q4-amx" else 8)  # q4-amx: widths of 64
+    skip_unless_kernel(model, kernel)
     use_kernels(model, kernel)
     prompt = torch.randint(0, 64, (1, 37))
     block = torch.randint(0, 64, (1, 9))
@@ -300,15 +298,13 @@ def assert_branch_rows_match_decoding(model: Transformer, prefix: int, vocab: in
             assert torch.equal(ref.k[:, :, :, slots], a.k[:, :, :, prefix : prefix + 4]), f"branch {j} keys"
 
 
-@pytest.mark.parametrize("kernel", ["plain", "mkldnn", "q4"])
+@pytest.mark.parametrize("kernel", ["plain", "mkldnn", "q4", "q4-amx"])
 def test_lookahead_branch_rows_are_bit_identical_to_decoding_steps_in_bf16(kernel):
-    from m2r2.kernels import mkldnn_usable, q4_usable, use_kernels
+    from conftest import skip_unless_kernel
+    from m2r2.kernels import use_kernels
 
     model = tiny_model(9, vocab=256, dtype=torch.bfloat16, head_dim=64)
-    if kernel == "mkldnn" and not mkldnn_usable(model):
-        pytest.skip("oneDNN bf16 kernels unavailable here")
-    if kernel == "q4" and not q4_usable(model):
-        pytest.skip("the 4-bit CPU kernel is unavailable here")
+    skip_unless_kernel(model, kernel)
     use_kernels(model, kernel)
     for prefix in (37, 200):
         assert_branch_rows_match_decoding(model, prefix, 256)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from m2r2 import amx
 from m2r2.model import ROW_INVARIANT_MAX_ROWS, MoE
 
 if TYPE_CHECKING:
@@ -168,23 +169,30 @@ class Int4Linear(nn.Module):
 
     def __init__(self, lin: nn.Linear, source: Tensor | None = None) -> None:
         super().__init__()
+        q, step, lo, self.exact = self.quantize(lin, source)
+        self.in_features, self.out_features = lin.in_features, lin.out_features
+        self.bias = lin.bias
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2)
+        # the kernel computes (q - 8) * scale + zero
+        self.scales_zeros = torch.stack([step.t(), (lo + 8.0 * step).t()], dim=-1).contiguous().to(torch.bfloat16)
+
+    @classmethod
+    def quantize(cls, lin: nn.Linear, source: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, bool]:
+        """``(q [n, k] in 0..15, step [n, k/32], lo [n, k/32], exact)`` with ``w = q * step + lo`` per
+        group of 32 inputs; ``exact`` says whether every group was on a 4-bit grid already."""
         w = (lin.weight if source is None else source).detach().float()
         n, k = w.shape
-        g = self.GROUP
+        g = cls.GROUP
         blocks = w.view(n, k // g, g)
         lo = blocks.amin(-1)
         step = (blocks.amax(-1) - lo) / 15.0
         r = (blocks - lo[..., None]) / step.clamp_min(1e-30)[..., None]  # in steps above the block's minimum
         q = r.round()
-        off = (r - q).abs_().amax(-1) > self.TOL
+        off = (r - q).abs_().amax(-1) > cls.TOL
         del r
         q.clamp_(0, 15)
-        self.exact = self._on_grid(blocks, lo, step, q, off)
-        self.in_features, self.out_features = lin.in_features, lin.out_features
-        self.bias = lin.bias
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(n, k).to(torch.int32), 2)
-        # the kernel computes (q - 8) * scale + zero
-        self.scales_zeros = torch.stack([step.t(), (lo + 8.0 * step).t()], dim=-1).contiguous().to(torch.bfloat16)
+        exact = cls._on_grid(blocks, lo, step, q, off)
+        return q.view(n, k), step, lo, exact
 
     @classmethod
     def _on_grid(cls, blocks: Tensor, lo: Tensor, step: Tensor, q: Tensor, off: Tensor, probe: int = 64) -> bool:
@@ -233,6 +241,66 @@ class Int4Linear(nn.Module):
         return y.view(*shape[:-1], y.shape[-1])
 
 
+class AmxInt4Linear(nn.Module):
+    """The same 4-bit weights as :class:`Int4Linear`, multiplied on AMX: up to 16 rows cost about one.
+
+    Why: a verify pass (a token tree, a copied chain) runs several rows through every layer, and
+    the stock 4-bit GEMM de-quantizes the weights again for every 4 rows (v(8) = 1.96 steps). This
+    one (C++ in ``csrc/q4_amx.cpp``, built by :mod:`m2r2.amx`) de-quantizes each group of 32 inputs
+    x 64 columns once per call to bf16 (``fma(q, step, lo)`` in float32, then rounded: the
+    ``mkldnn`` kernel's rounding of a weight) and multiplies all rows on the AMX tiles, 16 rows at a
+    time. A row's sums run in the same order whatever the number of rows, so a verify pass gives
+    each row its one-token bits (tested, and probed once per shape at load:
+    :func:`amx_batches_exactly`). Steps and minima are kept in float16: exact for GGUF Q4_1 (its
+    ``d`` and ``m`` are float16), a 2^-11 relative rounding for Q4_K sub-block scales.
+    """
+
+    BLOCK = 64
+
+    def __init__(self, lin: nn.Linear, source: Tensor | None = None) -> None:
+        super().__init__()
+        q, step, lo, self.exact = Int4Linear.quantize(lin, source)
+        n, k = q.shape
+        nb, g = n // self.BLOCK, k // Int4Linear.GROUP
+        self.in_features, self.out_features = lin.in_features, lin.out_features
+        self.bias = lin.bias
+        # VNNI pairs: lane j of input pair p is column j // 2 at input 2p + j % 2; byte i holds lanes i and i + 64
+        lanes = (
+            q.to(torch.uint8).view(nb, self.BLOCK, k // 2, 2).permute(0, 2, 1, 3).reshape(nb, k // 2, 2 * self.BLOCK)
+        )
+        self.qbytes = (lanes[..., : self.BLOCK] | (lanes[..., self.BLOCK :] << 4)).contiguous()
+        per_block = [t.view(nb, self.BLOCK, g).transpose(1, 2) for t in (step, lo)]
+        scales = torch.stack(per_block, dim=2).contiguous()  # [nb, g, 2, 64]
+        self.scales = scales.half()
+        if not torch.isfinite(self.scales).all():
+            raise ValueError("q4-amx: a 4-bit step or minimum does not fit float16")
+
+    @classmethod
+    def fits(cls, lin: nn.Module) -> bool:
+        return Int4Linear.fits(lin) and lin.out_features % cls.BLOCK == 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        y = amx.extension().q4_linear(x.reshape(-1, shape[-1]).contiguous(), self.qbytes, self.scales)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*shape[:-1], y.shape[-1])
+
+
+@functools.cache
+def amx_batches_exactly(out_features: int, in_features: int) -> bool:
+    """Whether :class:`AmxInt4Linear` gives each row of a multi-row pass its one-row bits on this
+    machine (probed once per shape on random 4-bit weights, for every row count up to 33)."""
+    gen = torch.Generator().manual_seed(0)
+    lin = nn.Linear(in_features, out_features, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(out_features, in_features, generator=gen) * 0.05)
+    layer = AmxInt4Linear(lin)
+    x = torch.randn(33, in_features, generator=gen).to(torch.bfloat16)
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(33)])
+    return all(torch.equal(layer(x[:rows]), alone[:rows]) for rows in range(2, 34))
+
+
 def _activation_dtype(lin: nn.Module) -> torch.dtype:
     """The input dtype a linear layer of any of our kernels takes."""
     if isinstance(lin, nn.Linear):
@@ -274,6 +342,8 @@ def linear_like(lin: nn.Module, weight: Tensor) -> nn.Module:
     plain.requires_grad_(False)
     if isinstance(lin, Int4Linear):
         return Int4Linear(plain, weight.float())
+    if isinstance(lin, AmxInt4Linear):
+        return AmxInt4Linear(plain, weight.float())
     if isinstance(lin, PackedLinear):
         return PackedLinear(plain)
     if isinstance(lin, Int8Linear):
@@ -281,7 +351,7 @@ def linear_like(lin: nn.Module, weight: Tensor) -> nn.Module:
     return plain
 
 
-KERNELS = ("auto", "plain", "mkldnn", "int8", "q4")
+KERNELS = ("auto", "plain", "mkldnn", "int8", "q4", "q4-amx")
 
 
 def mkldnn_usable(model: Transformer) -> bool:
@@ -300,8 +370,34 @@ def q4_usable(model: Transformer) -> bool:
         and model.dtype == torch.bfloat16
         and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
         and not model.cfg.is_moe
-        and all(Int4Linear.fits(lin) for b in model.layers for lin in (b.attn.wqkv, b.attn.wo, b.mlp.w13, b.mlp.w2))
+        and all(Int4Linear.fits(lin) for lin in _dense_layers(model))
     )
+
+
+def q4_amx_problem(model: Transformer) -> str | None:
+    """Why the AMX 4-bit kernel cannot run every dense layer of ``model`` here, or None where it can
+    (builds the kernel on first call; probes per layer shape that a multi-row pass keeps each row's
+    one-row bits)."""
+    if not q4_usable(model):
+        return (
+            f"the q4-amx kernel needs bf16 on a CPU and a dense model with layer widths divisible by {Int4Linear.GROUP}"
+        )
+    layers = _dense_layers(model)
+    if not all(AmxInt4Linear.fits(lin) for lin in layers):
+        return f"the q4-amx kernel needs layer output widths divisible by {AmxInt4Linear.BLOCK}"
+    if not amx.available():
+        return "the q4-amx kernel needs a CPU with AMX and AVX512-BF16 and a C++ compiler (use --kernel q4)"
+    if not all(amx_batches_exactly(n, k) for n, k in {(lin.out_features, lin.in_features) for lin in layers}):
+        return "the q4-amx kernel changes a row's bits with the pass size on this machine (use --kernel q4)"
+    return None
+
+
+def q4_amx_usable(model: Transformer) -> bool:
+    return q4_amx_problem(model) is None
+
+
+def _dense_layers(model: Transformer) -> list[nn.Module]:
+    return [lin for b in model.layers for lin in (b.attn.wqkv, b.attn.wo, b.mlp.w13, b.mlp.w2)]
 
 
 def use_kernels(model: Transformer, kernel: str = "auto", source: Mapping[str, Tensor] | None = None) -> str:
@@ -313,7 +409,9 @@ def use_kernels(model: Transformer, kernel: str = "auto", source: Mapping[str, T
     ``plain`` keeps ``nn.Linear`` (needed for training, and the reference mode). ``auto`` picks
     ``q4`` for bf16 on CPU when every layer fits it, else ``mkldnn``, else ``plain``: measured on the
     bundled Q4_1 model (BENCHMARKS.md), q4 decodes ~1.7x faster than oneDNN bf16 with the same
-    agreement with the fp32 reference, because it runs the GGUF's own 4-bit weights.
+    agreement with the fp32 reference, because it runs the GGUF's own 4-bit weights. ``q4-amx``
+    (the same weights on AMX, flat in rows) is opt-in: its one-row step is ~8% slower and, measured
+    end to end, ``m2r2`` did not gain from it yet (BENCHMARKS.md, "Fifth round").
     """
     if kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; choose from {', '.join(KERNELS)}")
@@ -321,14 +419,16 @@ def use_kernels(model: Transformer, kernel: str = "auto", source: Mapping[str, T
         kernel = "q4" if q4_usable(model) else "mkldnn" if mkldnn_usable(model) else "plain"
     if kernel == "mkldnn" and not mkldnn_usable(model):
         raise ValueError("the mkldnn kernel needs bf16 weights on a CPU with oneDNN")
-    if kernel in ("int8", "q4") and (model.dtype != torch.bfloat16 or model.device.type != "cpu"):
+    if kernel in ("int8", "q4", "q4-amx") and (model.dtype != torch.bfloat16 or model.device.type != "cpu"):
         raise ValueError(f"the {kernel} kernel needs bf16 activations on a CPU")
     if kernel == "plain" and model.dtype != torch.float32 and model.device.type == "cpu":
         for lin in [model.lm_head, *(m for b in model.layers for m in b.modules() if type(m) is nn.Linear)]:
             lin.__class__ = RowInvariantLinear  # same parameters; only the forward changes
-    wrap = {"mkldnn": PackedLinear, "int8": Int8Linear, "q4": Int4Linear}.get(kernel)
+    wrap = {"mkldnn": PackedLinear, "int8": Int8Linear, "q4": Int4Linear, "q4-amx": AmxInt4Linear}.get(kernel)
     head_wrap = wrap
-    if kernel == "q4":
+    if kernel == "q4-amx" and (problem := q4_amx_problem(model)):
+        raise ValueError(problem)
+    if kernel in ("q4", "q4-amx"):
         # The bundled head/embedding is Q8_0 (8-bit): 4 bits would lose accuracy there, so the head
         # keeps oneDNN bf16 where available.
         head_wrap = PackedLinear if mkldnn_usable(model) else None
@@ -340,7 +440,7 @@ def use_kernels(model: Transformer, kernel: str = "auto", source: Mapping[str, T
         src = source or {}
 
         def swap(lin: nn.Module, name: str) -> nn.Module:
-            return Int4Linear(lin, src.get(name + ".weight")) if wrap is Int4Linear else wrap(lin)
+            return wrap(lin, src.get(name + ".weight")) if wrap in (Int4Linear, AmxInt4Linear) else wrap(lin)
 
         for i, block in enumerate(model.layers):
             block.attn.wqkv = swap(block.attn.wqkv, f"layers.{i}.attn.wqkv")

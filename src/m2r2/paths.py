@@ -20,6 +20,11 @@ DEFAULT_DRAFT = Path("runs/draft/draft.safetensors")
 DEFAULT_TRAIN_PROMPTS = Path("../shared/data/train/prompts.jsonl")
 
 
+def cache_root() -> Path:
+    """Where converted models, measured costs and compiled kernels live: ``$M2R2_CACHE`` or ``~/.cache/m2r2``."""
+    return Path(os.environ.get("M2R2_CACHE") or Path.home() / ".cache" / "m2r2")
+
+
 def shared_data(sub: str) -> Path | None:
     """``shared/data/<sub>``: from ``$M2R2_SHARED`` (the shared dir or the folder itself), else the
     first one found walking up from the working directory, then from the installed package."""

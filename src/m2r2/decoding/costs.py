@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from m2r2.files import atomic_text
-from m2r2.loading import cache_root
 from m2r2.machine import cpu_name
+from m2r2.paths import cache_root
 
 C = TypeVar("C")
 
@@ -102,7 +102,7 @@ def code_stamp() -> str:
     does not change with every edit. Stats ~100 files once per process."""
     root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
-    for f in sorted(root.rglob("*.py")):
+    for f in sorted([*root.rglob("*.py"), *root.rglob("*.cpp")]):
         st = f.stat()
         h.update(f"{f.relative_to(root)}:{st.st_size}:{st.st_mtime_ns};".encode())
     return h.hexdigest()[:16]

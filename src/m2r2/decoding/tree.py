@@ -119,7 +119,8 @@ class TreeState:
     h_last: Tensor | None = None
     calib: float = 1.0
     gain: float = 1.0  # running tokens gained per drafting round (optimistic start: draft at first)
-    cost: float = 0.0  # running extra cost of a drafting round, in one-token steps
+    cost: float = 0.0  # running extra cost of a drafting round, in one-token steps (measured: wall clock)
+    step_s: float | None = None  # running wall-clock seconds of a plain round (the root alone, no drafting)
     idle: int = 0  # rounds since the last draft
     passes: int = 0
     rows: int = 0
@@ -374,6 +375,7 @@ class TreeSpeculative:
         """
         model = self.model
         self._rng = sampler.rng
+        started = time.perf_counter()
         verified = cache.length
         room = min(stopper.budget - len(stopper.tokens) - 1, cache.max_len - verified - 1, self.max_nodes)
         rows, steps = [0], 0
@@ -412,12 +414,6 @@ class TreeSpeculative:
         if predicted > 0:  # calibrate the drafter's path probabilities against what of it was accepted
             drafted_hits = sum(1 for r in path[1:] if tree.scores[r] > 0)
             state.calib = 0.9 * state.calib + 0.1 * min(4.0, (drafted_hits + 0.1) / (predicted + 0.1))
-        if steps and self.costs is not None:  # what this round's drafting gained and cost, in steps
-            c = self.costs
-            level = c.draft[min(self.width, len(c.draft)) - 1]
-            spent = (c.start + steps * level + c.verify[n_rows - 1]) / c.verify[0]
-            state.gain = 0.8 * state.gain + 0.2 * n
-            state.cost = 0.8 * state.cost + 0.2 * (spent - 1.0)
         state.passes += 1
         state.rows += n_rows
         state.drafted += n_rows - 1
@@ -429,7 +425,24 @@ class TreeSpeculative:
             feats = torch.cat([state.h_last.reshape(1, -1), h[0].index_select(0, idx)])
             observe(cache, feats, [tree.tokens[r] for r in path], verified - 1)
         state.h_last = h[:, rows.index(path[-1])][:, None]
+        self._account(state, time.perf_counter() - started, n, n_rows, steps)
         return [*[tree.tokens[r] for r in path[1:]], nxt], n, n_rows - 1, accept_rate
+
+    def _account(self, state: TreeState, seconds: float, gained: int, n_rows: int, steps: int) -> None:
+        """What this round gained (tokens beyond the one a plain step gives) and cost (in plain rounds),
+        by the wall clock: the cost model times the layers of a draft level and a verify pass, but not
+        a round's own work around them (growing and choosing the tree, gathering keys for tree rows,
+        compacting the cache), which measured ~0.3-0.5 of a step on the bundled model; a drafter that
+        gains less than that must stop drafting (:meth:`_worth_drafting`). A plain round's time is
+        learnt from the rounds that drafted nothing (until one has run, the measured one-token pass)."""
+        if self.costs is None:
+            return
+        if n_rows == 1 and not steps:
+            state.step_s = seconds if state.step_s is None else 0.8 * state.step_s + 0.2 * seconds
+        elif steps:
+            spent = seconds / (state.step_s or self.costs.verify[0])
+            state.gain = 0.8 * state.gain + 0.2 * gained
+            state.cost = 0.8 * state.cost + 0.2 * (spent - 1.0)
 
     def prefilled(self, state: TreeState, cache: KVCache, h: Tensor, prompt: list[int]) -> None:
         """After the prompt's prefill: prompt lookup indexes the prompt; a drafter with its own memory of

@@ -22,13 +22,13 @@ from torch import Tensor
 from m2r2.decoding.autoregressive import Autoregressive
 from m2r2.decoding.base import GenerationConfig, GenerationResult, StreamCallback
 from m2r2.errors import SettingsError
-from m2r2.loading import cache_root
 from m2r2.model import Transformer
 from m2r2.moe.cache import ExpertCache
 from m2r2.moe.loader import Loader
 from m2r2.moe.policies import Policy, Trace, TraceRecorder, make_policy, moe_layers
 from m2r2.moe.store import ExpertStore
 from m2r2.multirate.fast import FastStream
+from m2r2.paths import cache_root
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "fp32"}
 

@@ -1,0 +1,78 @@
+"""The C++ half of the ``q4-amx`` kernel (:class:`m2r2.kernels.AmxInt4Linear`), built once per machine.
+
+Why C++: a verify pass runs a handful of rows through every layer, and torch's CPU 4-bit GEMM
+de-quantizes the weights again for every 4 rows (v(8) = 1.96 on the bundled model). The kernel in
+``csrc/q4_amx.cpp`` de-quantizes each block once per call and lets AMX multiply up to 16 rows at
+the cost of one. torch's own extension builder compiles it (about 30 s, once) into
+``$M2R2_CACHE/ext/``, keyed by the source, the torch version and the compiler flags; a CPU without
+AMX/AVX512-BF16, or a machine without a C++ compiler, simply does not get the kernel (``auto`` then
+picks ``q4``), and says why once.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import sys
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from m2r2.machine import cpu_has
+from m2r2.paths import cache_root
+
+SOURCE = Path(__file__).with_name("csrc") / "q4_amx.cpp"
+FLAGS = [
+    "-O3",
+    "-mavx512f",
+    "-mavx512bw",
+    "-mavx512dq",
+    "-mavx512vl",
+    "-mavx512bf16",
+    "-mfma",
+    "-mamx-tile",
+    "-mamx-bf16",
+    "-mavx512vbmi",
+    "-fopenmp",
+]
+LDFLAGS = ["-fopenmp"]  # at::parallel_for is inline: without OpenMP here it would run on one thread
+#: CPU flags the kernel needs (``/proc/cpuinfo`` names).
+CPU_FLAGS = ("avx512f", "avx512bw", "avx512vbmi", "avx512_bf16", "amx_bf16", "amx_tile")
+#: Set to 1 to keep the kernel off (a reference run, or a machine where building misbehaves).
+DISABLE_ENV = "M2R2_NO_AMX"
+
+
+@functools.cache
+def extension() -> ModuleType | None:
+    """The compiled kernel module, or None where this machine cannot build or run it."""
+    if os.environ.get(DISABLE_ENV) == "1" or not all(cpu_has(f) for f in CPU_FLAGS):
+        return None
+    text = SOURCE.read_bytes()
+    key = hashlib.sha256(text + torch.__version__.encode() + " ".join(FLAGS + LDFLAGS).encode()).hexdigest()[:12]
+    build = cache_root() / "ext" / f"q4_amx-{key}"
+    try:
+        from torch.utils.cpp_extension import load
+
+        build.mkdir(parents=True, exist_ok=True)
+        if not any(build.glob("*.so")):
+            print("m2r2: building the q4-amx kernel for this CPU (once, ~30 s)", file=sys.stderr)
+        module = load(
+            name=f"m2r2_q4_amx_{key}",
+            sources=[str(SOURCE)],
+            extra_cflags=FLAGS,
+            extra_ldflags=LDFLAGS,
+            build_directory=str(build),
+        )
+    except Exception as e:  # no compiler, missing headers, a failed build: the stock kernels still run
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        warnings.warn(f"the q4-amx kernel is not available here ({type(e).__name__}: {first[:200]})", stacklevel=2)
+        return None
+    return module if module.usable() else None
+
+
+def available() -> bool:
+    """Whether the ``q4-amx`` kernel runs on this machine (builds it on first call)."""
+    return extension() is not None

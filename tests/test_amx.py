@@ -1,0 +1,84 @@
+"""The AMX 4-bit kernel (``q4-amx``): the same weights as ``q4``, rows independent of the pass size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from m2r2 import amx
+from m2r2.errors import SettingsError
+from m2r2.kernels import AmxInt4Linear, Int4Linear
+from m2r2.loading import load_model
+
+needs_amx = pytest.mark.skipif(not amx.available(), reason="no AMX / AVX512-BF16 CPU or no C++ compiler here")
+
+
+def q4_1_layer(n: int, k: int, seed: int) -> tuple[torch.nn.Linear, torch.Tensor]:
+    """A linear layer whose weights are GGUF Q4_1 blocks (``d * q + m``, min and max at q = 0 and 15),
+    with ``d`` and ``m`` chosen so every weight is exact in bf16."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k // 32, 32), generator=g).float()
+    q[..., 0], q[..., 1] = 0.0, 15.0
+    d = 2.0 ** -torch.randint(4, 8, (n, k // 32, 1), generator=g).float()
+    m = -torch.randint(0, 64, (n, k // 32, 1), generator=g).float() / 64
+    w = (q * d + m).view(n, k)
+    lin = torch.nn.Linear(k, n, bias=False)
+    lin.weight.data = w.to(torch.bfloat16)
+    return lin, w
+
+
+@needs_amx
+def test_q4_amx_runs_the_q4_weights_and_rounds_like_bf16() -> None:
+    """One-hot rows read the exact 4-bit weights back; a random pass is x @ W^T in float32 rounded once
+    to bf16 (within half a bf16 step of the float32 product of the same bf16 inputs, plus the float32
+    summation-order error)."""
+    lin, w = q4_1_layer(192, 96, seed=0)
+    layer = AmxInt4Linear(lin)
+    assert layer.exact
+    assert torch.equal(layer(torch.eye(96, dtype=torch.bfloat16)).float(), w.t())
+    assert torch.equal(layer(torch.eye(96, dtype=torch.bfloat16)), Int4Linear(lin)(torch.eye(96, dtype=torch.bfloat16)))
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    ref = x.float() @ w.t()
+    tol = ref.abs() * 2.0**-8 + 1e-5 * ref.abs().max()
+    assert ((layer(x).float() - ref).abs() <= tol).all()
+
+
+@needs_amx
+@pytest.mark.parametrize("threads", [1, 2])
+def test_q4_amx_rows_do_not_depend_on_the_pass(threads: int) -> None:
+    """Every row of a pass of 2..40 rows (several AMX row tiles beyond 16) has the bits it gets alone,
+    with a bias, on 1 and 2 threads: what lossless verification needs."""
+    lin, _ = q4_1_layer(320, 128, seed=2)
+    lin.bias = torch.nn.Parameter(torch.randn(320).to(torch.bfloat16))
+    layer = AmxInt4Linear(lin)
+    x = torch.randn(40, 128, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        alone = torch.cat([layer(x[i : i + 1]) for i in range(40)])
+        for rows in (2, 3, 8, 15, 16, 17, 33, 40):
+            assert torch.equal(layer(x[:rows]), alone[:rows]), f"{rows} rows"
+        assert torch.equal(layer(x[:6].view(2, 3, 128)).view(6, -1), alone[:6])  # batch dims flatten
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_amx
+def test_q4_amx_is_opt_in_and_loads_where_it_runs(tiny_model) -> None:
+    d = tiny_model(hidden_size=64, intermediate_size=128)
+    assert load_model(d, torch.bfloat16, kernel="q4-amx").kernel == "q4-amx"
+    assert load_model(d, torch.bfloat16, kernel="auto").kernel != "q4-amx"  # auto keeps q4 (measured)
+
+
+def test_without_amx_q4_amx_says_why(tiny_model, monkeypatch) -> None:
+    monkeypatch.setattr(amx, "available", lambda: False)
+    d = tiny_model(hidden_size=64, intermediate_size=128)
+    with pytest.raises(SettingsError, match="needs a CPU with AMX"):
+        load_model(d, torch.bfloat16, kernel="q4-amx")
+
+
+def test_q4_amx_refuses_widths_it_does_not_take(tiny_model) -> None:
+    """A layer of 32 output columns (the kernel works in blocks of 64): a clear error, not a crash."""
+    d = tiny_model(hidden_size=32, intermediate_size=64)
+    with pytest.raises(SettingsError, match="divisible by 64"):
+        load_model(d, torch.bfloat16, kernel="q4-amx")
