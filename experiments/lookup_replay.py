@@ -9,23 +9,29 @@ accepts the matching prefix, then one token. Output quoted in BENCHMARKS.md ("Fo
 ``lookup_replay.out.txt``.
 """
 
+import argparse
 import json
-import sys
 from collections import defaultdict
 
 from m2r2.decoding.lookup import NgramIndex
 
-with open(sys.argv[1]) as f:
+ap = argparse.ArgumentParser(description="prompt lookup replayed on a run's vanilla answers")
+ap.add_argument("results", help="a bench results.json")
+ap.add_argument("--k", type=int, default=6, help="tokens per proposal (m2r2's lookup option)")
+ap.add_argument("--max-n", type=int, default=3)
+ap.add_argument("--min-n", type=int, default=2)
+args = ap.parse_args()
+with open(args.results) as f:
     runs = json.load(f)["prompts"]
 totals: dict[tuple[str, int], list[int]] = defaultdict(lambda: [0, 0, 0, 0])  # tokens, rounds, proposals, matched
 for p in runs:
     earlier: list[int] = []
     for turn, answer in enumerate(p["methods"]["vanilla"]["ids"]):
-        index = NgramIndex(earlier)
+        index = NgramIndex(earlier, max_n=args.max_n, min_n=args.min_n)
         t = totals[(p["dataset"], turn + 1)]
         i = 0
         while i < len(answer):
-            proposal = index.propose(6)
+            proposal = index.propose(args.k)
             m = 0
             while m < len(proposal) and i + m < len(answer) - 1 and proposal[m] == answer[i + m]:
                 m += 1

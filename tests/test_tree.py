@@ -121,6 +121,25 @@ def test_cost_model_declines_trees_that_do_not_pay_and_takes_them_when_verificat
     assert dear.stats["verify_rows_per_pass"] == 1.0
 
 
+def test_drafting_is_judged_by_the_wall_clock_not_only_by_the_modeled_costs():
+    """A drafting round that gains one token but takes three plain rounds' time stops drafting, although
+    the modeled costs (free draft levels, flat verification) say it pays; one gaining three keeps on.
+    Synthetic round times: the accounting is tested, not this machine's speed."""
+    from m2r2.decoding.tree import TreeState
+
+    model = tiny_model(12)
+    costs = TreeCosts(draft=[0.001] * 4, verify=[1.0] * 9)
+    strategy = TreeSpeculative("m2r2", model, seeded_stream(model, 1, 0.0, 12, fold=False), [], None, costs=costs)
+    for gained, expect in ((1, False), (3, True)):
+        state = TreeState()
+        strategy._account(state, 0.010, 0, n_rows=1, steps=0)  # a plain round: 10 ms
+        assert state.step_s == pytest.approx(0.010)
+        for _ in range(12):
+            strategy._account(state, 0.030, gained, n_rows=4, steps=3)
+        assert state.cost == pytest.approx(2.0, abs=0.2)
+        assert strategy._worth_drafting(state) is expect
+
+
 @pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.7, 4, 0.9)])
 def test_tree_speculative_sampling_reproduces_the_target_distribution(temperature, top_k, top_p):
     vocab = 6

@@ -69,11 +69,6 @@ class KVCache:
         k, v = self.k[layer, :, :, :end], self.v[layer, :, :, :end]
         return (k, v) if k.dtype == self.dtype else (k.to(self.dtype), v.to(self.dtype))
 
-    def stored(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of positions ``0 .. end-1`` at ``layer`` as stored (views, never a copy): what
-        the slow stream's attention reads, which computes in the store's float32 where it is one."""
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
-
     def truncate(self, length: int) -> None:
         """Roll back to ``length`` verified positions."""
         if not 0 <= length <= self.length:

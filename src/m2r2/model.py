@@ -212,8 +212,6 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | GappedMask | None) ->
             outs.append(_few_rows(q[:, :, rows], kk, vv, packed, gqa))
         return torch.cat(outs, dim=1)[:, mask.inverse].transpose(1, 2)
     if mask is None or t > ROW_INVARIANT_MAX_ROWS:
-        if k.dtype != q.dtype:  # a float32-stored cache (exact) for the fused kernel of a long pass
-            k, v = k.to(q.dtype), v.to(q.dtype)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
     return _few_rows(q, k, v, mask, gqa).transpose(1, 2)
 
@@ -428,7 +426,7 @@ class Block(nn.Module):
         ``mask.shape[-1]`` cache slots under ``mask``."""
         q, k, v = self.attn.qkv(self.attn_norm(x), cos, sin)
         cache.write(layer, pos, k, v)
-        keys, values = cache.stored(layer, mask.shape[-1])
+        keys, values = cache.view(layer, mask.shape[-1])
         a = x + self.attn.out(attend(q, keys, values, mask))
         return a + self.mlp(self.mlp_norm(a), resid=a)
 
@@ -495,12 +493,7 @@ class Transformer(nn.Module):
         return self.embed.weight.device
 
     def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
-        """A cache for ``batch`` sequences, stored in float32 where attention computes in float32 (a
-        low-precision model on a CPU): the same values exactly, read by every step as they are instead
-        of converted layer by layer (that conversion was ~18% of a SmolLM2 step; BENCHMARKS.md, "Fifth
-        round"), at twice the memory."""
-        store = torch.float32 if attends_in_float32(self.dtype, self.device) else None
-        return KVCache(self.cfg, max_len, batch, dtype=self.dtype, device=self.device, store=store)
+        return KVCache(self.cfg, max_len, batch, dtype=self.dtype, device=self.device)
 
     def new_pool(self, items: int) -> KVPool:
         """Caches for up to ``items`` sequences per capacity that :meth:`step_rows` attends over together

@@ -432,9 +432,10 @@ class TreeSpeculative:
         """What this round gained (tokens beyond the one a plain step gives) and cost (in plain rounds),
         by the wall clock: the cost model times the layers of a draft level and a verify pass, but not
         a round's own work around them (growing and choosing the tree, gathering keys for tree rows,
-        compacting the cache), which measured ~0.3-0.5 of a step on the bundled model; a drafter that
-        gains less than that must stop drafting (:meth:`_worth_drafting`). A plain round's time is
-        learnt from the rounds that drafted nothing (until one has run, the measured one-token pass)."""
+        compacting the cache: 0.06-0.14 of a step per pass on the bundled model, BENCHMARKS.md "Fifth
+        round"); a drafter that gains less than a round really costs stops drafting
+        (:meth:`_worth_drafting`). A plain round's time is learnt from the rounds that drafted nothing
+        (until one has run, the measured one-token pass)."""
         if self.costs is None:
             return
         if n_rows == 1 and not steps:
