@@ -48,7 +48,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         help="linear-layer kernels: auto = q4 for bf16 on CPU when the layers fit, else mkldnn, else plain; "
         "q4 = 4-bit groups of 32 (exactly the bundled GGUF's Q4_1 weights, ~1.7x faster than mkldnn); "
         "q4-amx = the same weights multiplied on AMX (opt-in; built once with the C++ compiler; a verify pass "
-        "of 8 rows costs ~1.3 one-token steps instead of ~2, a one-token step ~8%% more); "
+        "of 8 rows costs ~1.3 one-token steps instead of ~2, a one-token step ~7%% more); "
         "mkldnn = oneDNN pre-packed bf16; plain = torch; int8 = weight-only int8 (lossy, not recommended)",
     )
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")

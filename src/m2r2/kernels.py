@@ -410,7 +410,7 @@ def use_kernels(model: Transformer, kernel: str = "auto", source: Mapping[str, T
     ``q4`` for bf16 on CPU when every layer fits it, else ``mkldnn``, else ``plain``: measured on the
     bundled Q4_1 model (BENCHMARKS.md), q4 decodes ~1.7x faster than oneDNN bf16 with the same
     agreement with the fp32 reference, because it runs the GGUF's own 4-bit weights. ``q4-amx``
-    (the same weights on AMX, flat in rows) is opt-in: its one-row step is ~8% slower and, measured
+    (the same weights on AMX, flat in rows) is opt-in: its one-row step is ~7% slower and, measured
     end to end, ``m2r2`` did not gain from it yet (BENCHMARKS.md, "Fifth round").
     """
     if kernel not in KERNELS:
