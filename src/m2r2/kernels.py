@@ -37,19 +37,27 @@ _PROBE_ROWS = (2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 24, 31, 32)
 
 @functools.cache
 def batches_exactly(kind: str, out_features: int, in_features: int, dtype: torch.dtype, threads: int) -> bool:
-    """Whether this machine's ``kind`` GEMM ("packed" oneDNN or "plain" ``F.linear``) gives each row
-    of a 2..:data:`ROW_INVARIANT_MAX_ROWS`-row pass the bits it gets alone, probed once per shape and
-    thread count.
+    """Whether this machine's ``kind`` GEMM ("packed" oneDNN, "plain" ``F.linear`` or "q4-amx"
+    :class:`AmxInt4Linear`) gives each row of a 2..:data:`ROW_INVARIANT_MAX_ROWS`-row pass the bits it
+    gets alone, probed once per shape and thread count.
 
     Why a probe: oneDNN picks its algorithm by CPU and shape, not by values. With native bf16 (AMX)
     a multi-row pass was measured row-invariant and nearly as cheap as one row (so verification
     costs about one step); without it rows changed bits from ~20 rows and passes run row by row.
+    The q4-amx kernel is row-invariant by construction; the probe guards the build on this machine.
     """
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(out_features, in_features, generator=gen).to(dtype)
     packed = torch.ops.mkldnn._reorder_linear_weight(w, batch_size=1) if kind == "packed" else None
+    if kind == "q4-amx":
+        lin = nn.Linear(in_features, out_features, bias=False)
+        with torch.no_grad():
+            lin.weight.copy_(w.float() * 0.05)
+        amx_layer = AmxInt4Linear(lin)
 
     def run(x: Tensor) -> Tensor:
+        if kind == "q4-amx":
+            return amx_layer(x)
         if packed is None:
             return F.linear(x, w)
         return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
@@ -251,7 +259,7 @@ class AmxInt4Linear(nn.Module):
     ``mkldnn`` kernel's rounding of a weight) and multiplies all rows on the AMX tiles, 16 rows at a
     time. A row's sums run in the same order whatever the number of rows, so a verify pass gives
     each row its one-token bits (tested, and probed once per shape at load:
-    :func:`amx_batches_exactly`). Steps and minima are kept in float16: exact for GGUF Q4_1 (its
+    :func:`batches_exactly`). Steps and minima are kept in float16: exact for GGUF Q4_1 (its
     ``d`` and ``m`` are float16), a 2^-11 relative rounding for Q4_K sub-block scales.
     """
 
@@ -270,8 +278,7 @@ class AmxInt4Linear(nn.Module):
         )
         self.qbytes = (lanes[..., : self.BLOCK] | (lanes[..., self.BLOCK :] << 4)).contiguous()
         per_block = [t.view(nb, self.BLOCK, g).transpose(1, 2) for t in (step, lo)]
-        scales = torch.stack(per_block, dim=2).contiguous()  # [nb, g, 2, 64]
-        self.scales = scales.half()
+        self.scales = torch.stack(per_block, dim=2).half().contiguous()  # [nb, g, 2, 64]
         if not torch.isfinite(self.scales).all():
             raise ValueError("q4-amx: a 4-bit step or minimum does not fit float16")
 
@@ -285,20 +292,6 @@ class AmxInt4Linear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y.view(*shape[:-1], y.shape[-1])
-
-
-@functools.cache
-def amx_batches_exactly(out_features: int, in_features: int) -> bool:
-    """Whether :class:`AmxInt4Linear` gives each row of a multi-row pass its one-row bits on this
-    machine (probed once per shape on random 4-bit weights, for every row count up to 33)."""
-    gen = torch.Generator().manual_seed(0)
-    lin = nn.Linear(in_features, out_features, bias=False)
-    with torch.no_grad():
-        lin.weight.copy_(torch.randn(out_features, in_features, generator=gen) * 0.05)
-    layer = AmxInt4Linear(lin)
-    x = torch.randn(33, in_features, generator=gen).to(torch.bfloat16)
-    alone = torch.cat([layer(x[i : i + 1]) for i in range(33)])
-    return all(torch.equal(layer(x[:rows]), alone[:rows]) for rows in range(2, 34))
 
 
 def _activation_dtype(lin: nn.Module) -> torch.dtype:
@@ -340,10 +333,8 @@ def linear_like(lin: nn.Module, weight: Tensor) -> nn.Module:
         if bias is not None:
             plain.bias.copy_(bias)
     plain.requires_grad_(False)
-    if isinstance(lin, Int4Linear):
-        return Int4Linear(plain, weight.float())
-    if isinstance(lin, AmxInt4Linear):
-        return AmxInt4Linear(plain, weight.float())
+    if isinstance(lin, Int4Linear | AmxInt4Linear):
+        return type(lin)(plain, weight.float())
     if isinstance(lin, PackedLinear):
         return PackedLinear(plain)
     if isinstance(lin, Int8Linear):
@@ -387,7 +378,8 @@ def q4_amx_problem(model: Transformer) -> str | None:
         return f"the q4-amx kernel needs layer output widths divisible by {AmxInt4Linear.BLOCK}"
     if not amx.available():
         return "the q4-amx kernel needs a CPU with AMX and AVX512-BF16 and a C++ compiler (use --kernel q4)"
-    if not all(amx_batches_exactly(n, k) for n, k in {(lin.out_features, lin.in_features) for lin in layers}):
+    shapes = {(lin.out_features, lin.in_features) for lin in layers}
+    if not all(batches_exactly("q4-amx", n, k, torch.bfloat16, torch.get_num_threads()) for n, k in shapes):
         return "the q4-amx kernel changes a row's bits with the pass size on this machine (use --kernel q4)"
     return None
 
