@@ -64,10 +64,12 @@ def test_q4_amx_rows_do_not_depend_on_the_pass(threads: int) -> None:
 
 
 @needs_amx
-def test_q4_amx_is_opt_in_and_loads_where_it_runs(tiny_model) -> None:
+def test_q4_amx_is_auto_where_it_runs(tiny_model, monkeypatch) -> None:
     d = tiny_model(hidden_size=64, intermediate_size=128)
     assert load_model(d, torch.bfloat16, kernel="q4-amx").kernel == "q4-amx"
-    assert load_model(d, torch.bfloat16, kernel="auto").kernel != "q4-amx"  # auto keeps q4 (measured)
+    assert load_model(d, torch.bfloat16, kernel="auto").kernel == "q4-amx"
+    monkeypatch.setattr(amx, "available", lambda: False)  # no AMX or no compiler: auto falls back to q4
+    assert load_model(d, torch.bfloat16, kernel="auto").kernel == "q4"
 
 
 def test_without_amx_q4_amx_says_why(tiny_model, monkeypatch) -> None:

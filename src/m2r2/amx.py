@@ -2,8 +2,8 @@
 
 Why C++: a verify pass runs a handful of rows through every layer, and torch's CPU 4-bit GEMM
 de-quantizes the weights again for every 4 rows (v(8) = 1.96 on the bundled model). The kernel in
-``csrc/q4_amx.cpp`` de-quantizes each block once per call and lets AMX multiply up to 16 rows at
-the cost of one. torch's own extension builder compiles it (about 30 s, once) into
+``csrc/q4_amx.cpp`` unpacks each block's 4-bit integers once per call and lets AMX multiply up to
+16 rows at the cost of one (the steps and minima are applied to the sums, per group of 32 inputs). torch's own extension builder compiles it (about 30 s, once) into
 ``$M2R2_CACHE/ext/``, keyed by the source, the torch version and the compiler flags; a CPU without
 AMX/AVX512-BF16, or a machine without a C++ compiler, simply does not get the kernel (``auto`` then
 picks ``q4``), and says why once.
@@ -35,12 +35,11 @@ FLAGS = [
     "-mfma",
     "-mamx-tile",
     "-mamx-bf16",
-    "-mavx512vbmi",
     "-fopenmp",
 ]
 LDFLAGS = ["-fopenmp"]  # at::parallel_for is inline: without OpenMP here it would run on one thread
 #: CPU flags the kernel needs (``/proc/cpuinfo`` names).
-CPU_FLAGS = ("avx512f", "avx512bw", "avx512vbmi", "avx512_bf16", "amx_bf16", "amx_tile")
+CPU_FLAGS = ("avx512f", "avx512bw", "avx512_bf16", "amx_bf16", "amx_tile")
 #: Set to 1 to keep the kernel off (a reference run, or a machine where building misbehaves).
 DISABLE_ENV = "M2R2_NO_AMX"
 

@@ -254,16 +254,22 @@ class AmxInt4Linear(nn.Module):
 
     Why: a verify pass (a token tree, a copied chain) runs several rows through every layer, and
     the stock 4-bit GEMM de-quantizes the weights again for every 4 rows (v(8) = 1.96 steps). This
-    one (C++ in ``csrc/q4_amx.cpp``, built by :mod:`m2r2.amx`) de-quantizes each group of 32 inputs
-    x 64 columns once per call to bf16 (``fma(q, step, lo)`` in float32, then rounded: the
-    ``mkldnn`` kernel's rounding of a weight) and multiplies all rows on the AMX tiles, 16 rows at a
-    time. A row's sums run in the same order whatever the number of rows, so a verify pass gives
+    one (C++ in ``csrc/q4_amx.cpp``, built by :mod:`m2r2.amx`) never de-quantizes: per group of 32
+    inputs a weight is ``q * step + lo``, so the group adds ``step * sum(q * x) + lo * sum(x)`` to an
+    output. The integers ``q`` are exact in bf16, AMX sums ``q * x`` for all rows at once (16 at a
+    time), and the steps and minima are applied to those float32 sums: less work per weight than
+    de-quantizing (a one-row step is faster than the stock kernel's), and no bf16 rounding of the
+    weights. A row's sums run in the same order whatever the number of rows, so a verify pass gives
     each row its one-token bits (tested, and probed once per shape at load:
-    :func:`batches_exactly`). Steps and minima are kept in float16: exact for GGUF Q4_1 (its
-    ``d`` and ``m`` are float16), a 2^-11 relative rounding for Q4_K sub-block scales.
+    :func:`batches_exactly`). Steps and minima are kept in float16: exact for GGUF Q4_1 (its ``d``
+    and ``m`` are float16), a 2^-11 relative rounding for Q4_K sub-block scales.
     """
 
     BLOCK = 64
+    #: where each packed byte's low / high nibble lands among a pair's 128 VNNI lanes (the kernel's
+    #: byte shuffles and interleaves place byte 16t+i at lane 8t+i, byte 16t+8+i at lane 32+8t+i)
+    LOW_LANES = [8 * (b // 16) + b % 8 + (32 if b % 16 >= 8 else 0) for b in range(64)]
+    HIGH_LANES = [64 + lane for lane in LOW_LANES]
 
     def __init__(self, lin: nn.Linear, source: Tensor | None = None) -> None:
         super().__init__()
@@ -272,11 +278,11 @@ class AmxInt4Linear(nn.Module):
         nb, g = n // self.BLOCK, k // Int4Linear.GROUP
         self.in_features, self.out_features = lin.in_features, lin.out_features
         self.bias = lin.bias
-        # VNNI pairs: lane j of input pair p is column j // 2 at input 2p + j % 2; byte i holds lanes i and i + 64
+        # VNNI pairs: lane j of input pair p is column j // 2 at input 2p + j % 2
         lanes = (
             q.to(torch.uint8).view(nb, self.BLOCK, k // 2, 2).permute(0, 2, 1, 3).reshape(nb, k // 2, 2 * self.BLOCK)
         )
-        self.qbytes = (lanes[..., : self.BLOCK] | (lanes[..., self.BLOCK :] << 4)).contiguous()
+        self.qbytes = (lanes[..., self.LOW_LANES] | (lanes[..., self.HIGH_LANES] << 4)).contiguous()
         per_block = [t.view(nb, self.BLOCK, g).transpose(1, 2) for t in (step, lo)]
         self.scales = torch.stack(per_block, dim=2).half().contiguous()  # [nb, g, 2, 64]
         if not torch.isfinite(self.scales).all():
@@ -399,16 +405,22 @@ def use_kernels(model: Transformer, kernel: str = "auto", source: Mapping[str, T
     the q4 kernel quantises those (see :class:`Int4Linear`), the others ignore it.
 
     ``plain`` keeps ``nn.Linear`` (needed for training, and the reference mode). ``auto`` picks
-    ``q4`` for bf16 on CPU when every layer fits it, else ``mkldnn``, else ``plain``: measured on the
-    bundled Q4_1 model (BENCHMARKS.md), q4 decodes ~1.7x faster than oneDNN bf16 with the same
-    agreement with the fp32 reference, because it runs the GGUF's own 4-bit weights. ``q4-amx``
-    (the same weights on AMX, flat in rows) is opt-in: its one-row step is ~7% slower and, measured
-    end to end, ``m2r2`` did not gain from it yet (BENCHMARKS.md, "Fifth round").
+    ``q4-amx`` for bf16 on an AMX CPU where the kernel builds and every layer fits it, else ``q4``,
+    else ``mkldnn``, else ``plain``. Measured on the bundled Q4_1 model (BENCHMARKS.md): q4 decodes
+    ~1.7x faster than oneDNN bf16 with the same agreement with the fp32 reference, because it runs
+    the GGUF's own 4-bit weights; q4-amx runs the same weights with a one-token step ~0.89 of q4's
+    and verify passes nearly flat in rows (8 rows ~1.14 of q4's one-token step, "Sixth round").
     """
     if kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; choose from {', '.join(KERNELS)}")
     if kernel == "auto":
-        kernel = "q4" if q4_usable(model) else "mkldnn" if mkldnn_usable(model) else "plain"
+        kernel = (
+            ("q4-amx" if q4_amx_usable(model) else "q4")
+            if q4_usable(model)
+            else "mkldnn"
+            if mkldnn_usable(model)
+            else "plain"
+        )
     if kernel == "mkldnn" and not mkldnn_usable(model):
         raise ValueError("the mkldnn kernel needs bf16 weights on a CPU with oneDNN")
     if kernel in ("int8", "q4", "q4-amx") and (model.dtype != torch.bfloat16 or model.device.type != "cpu"):
