@@ -7,7 +7,7 @@ import torch
 
 from m2r2 import amx
 from m2r2.errors import SettingsError
-from m2r2.kernels import AmxInt4Linear, Int4Linear
+from m2r2.kernels import AmxInt4Linear, AmxInt8Linear, Int4Linear, PackedLinear
 from m2r2.loading import load_model
 
 needs_amx = pytest.mark.skipif(not amx.available(), reason="no AMX / AVX512-BF16 CPU or no C++ compiler here")
@@ -43,14 +43,46 @@ def test_q4_amx_runs_the_q4_weights_and_rounds_like_bf16() -> None:
     assert ((layer(x).float() - ref).abs() <= tol).all()
 
 
+def q8_0_layer(n: int, k: int, seed: int) -> tuple[torch.nn.Linear, torch.Tensor]:
+    """A linear layer whose weights are GGUF Q8_0 blocks (``d * q``, ``q`` in -127..127 reaching +-127,
+    ``d`` float16): most such weights are not exact in bf16."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (n, k // 32, 32), generator=g).float()
+    q[..., 0] = 127.0
+    d = (torch.rand(n, k // 32, 1, generator=g) * 0.01 + 1e-3).half().float()
+    w = (q * d).view(n, k)
+    lin = torch.nn.Linear(k, n, bias=False)
+    lin.weight.data = w.clone()
+    return lin, w
+
+
+@needs_amx
+def test_q8_amx_runs_q8_0_weights_exactly() -> None:
+    """The 8-bit head kernel recovers Q8_0 blocks from their float32 values and applies them without
+    rounding a weight: one-hot rows give each weight rounded once to bf16, a random pass is x @ W^T in
+    float32 rounded once to bf16; other weights are quantised to 8-bit blocks (``exact`` False)."""
+    lin, w = q8_0_layer(192, 96, seed=4)
+    layer = AmxInt8Linear(lin)
+    assert layer.exact
+    assert torch.equal(layer(torch.eye(96, dtype=torch.bfloat16)), w.t().to(torch.bfloat16))
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    ref = x.float() @ w.t()
+    tol = ref.abs() * 2.0**-8 + 1e-5 * ref.abs().max()
+    assert ((layer(x).float() - ref).abs() <= tol).all()
+    lin.weight.data = torch.randn(192, 96, generator=torch.Generator().manual_seed(6))
+    assert not AmxInt8Linear(lin).exact
+
+
 @needs_amx
 @pytest.mark.parametrize("threads", [1, 2])
-def test_q4_amx_rows_do_not_depend_on_the_pass(threads: int) -> None:
+@pytest.mark.parametrize("bits", [4, 8])
+def test_amx_rows_do_not_depend_on_the_pass(threads: int, bits: int) -> None:
     """Every row of a pass of 2..40 rows (several AMX row tiles beyond 16) has the bits it gets alone,
-    with a bias, on 1 and 2 threads: what lossless verification needs."""
-    lin, _ = q4_1_layer(320, 128, seed=2)
+    with a bias, on 1 and 2 threads, for the 4-bit layers and the 8-bit head: what lossless
+    verification needs."""
+    lin, _ = (q4_1_layer if bits == 4 else q8_0_layer)(320, 128, seed=2)
     lin.bias = torch.nn.Parameter(torch.randn(320).to(torch.bfloat16))
-    layer = AmxInt4Linear(lin)
+    layer = (AmxInt4Linear if bits == 4 else AmxInt8Linear)(lin)
     x = torch.randn(40, 128, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -65,11 +97,16 @@ def test_q4_amx_rows_do_not_depend_on_the_pass(threads: int) -> None:
 
 @needs_amx
 def test_q4_amx_is_auto_where_it_runs(tiny_model, monkeypatch) -> None:
-    d = tiny_model(hidden_size=64, intermediate_size=128)
-    assert load_model(d, torch.bfloat16, kernel="q4-amx").kernel == "q4-amx"
+    d = tiny_model(hidden_size=64, intermediate_size=128, vocab_size=320)
+    loaded = load_model(d, torch.bfloat16, kernel="q4-amx")
+    assert loaded.kernel == "q4-amx" and isinstance(loaded.model.layers[0].mlp.w2, AmxInt4Linear)
+    assert isinstance(loaded.model.lm_head, AmxInt8Linear)  # the head as 8-bit blocks
+    odd = load_model(tiny_model(hidden_size=64, intermediate_size=128, vocab_size=300), torch.bfloat16, kernel="q4-amx")
+    assert isinstance(odd.model.lm_head, PackedLinear)  # a vocabulary not in blocks of 64: bf16 head
     assert load_model(d, torch.bfloat16, kernel="auto").kernel == "q4-amx"
     monkeypatch.setattr(amx, "available", lambda: False)  # no AMX or no compiler: auto falls back to q4
-    assert load_model(d, torch.bfloat16, kernel="auto").kernel == "q4"
+    loaded = load_model(d, torch.bfloat16, kernel="auto")
+    assert loaded.kernel == "q4" and isinstance(loaded.model.lm_head, PackedLinear)
 
 
 def test_without_amx_q4_amx_says_why(tiny_model, monkeypatch) -> None:

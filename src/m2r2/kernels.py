@@ -37,26 +37,26 @@ _PROBE_ROWS = (2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 24, 31, 32)
 
 @functools.cache
 def batches_exactly(kind: str, out_features: int, in_features: int, dtype: torch.dtype, threads: int) -> bool:
-    """Whether this machine's ``kind`` GEMM ("packed" oneDNN, "plain" ``F.linear`` or "q4-amx"
-    :class:`AmxInt4Linear`) gives each row of a 2..:data:`ROW_INVARIANT_MAX_ROWS`-row pass the bits it
+    """Whether this machine's ``kind`` GEMM ("packed" oneDNN, "plain" ``F.linear``, "q4-amx"
+    :class:`AmxInt4Linear` or "q8-amx" :class:`AmxInt8Linear`) gives each row of a 2..:data:`ROW_INVARIANT_MAX_ROWS`-row pass the bits it
     gets alone, probed once per shape and thread count.
 
     Why a probe: oneDNN picks its algorithm by CPU and shape, not by values. With native bf16 (AMX)
     a multi-row pass was measured row-invariant and nearly as cheap as one row (so verification
     costs about one step); without it rows changed bits from ~20 rows and passes run row by row.
-    The q4-amx kernel is row-invariant by construction; the probe guards the build on this machine.
+    The AMX kernels are row-invariant by construction; the probe guards the build on this machine.
     """
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(out_features, in_features, generator=gen).to(dtype)
     packed = torch.ops.mkldnn._reorder_linear_weight(w, batch_size=1) if kind == "packed" else None
-    if kind == "q4-amx":
+    if kind in ("q4-amx", "q8-amx"):
         lin = nn.Linear(in_features, out_features, bias=False)
         with torch.no_grad():
             lin.weight.copy_(w.float() * 0.05)
-        amx_layer = AmxInt4Linear(lin)
+        amx_layer = (AmxInt4Linear if kind == "q4-amx" else AmxInt8Linear)(lin)
 
     def run(x: Tensor) -> Tensor:
-        if kind == "q4-amx":
+        if kind in ("q4-amx", "q8-amx"):
             return amx_layer(x)
         if packed is None:
             return F.linear(x, w)
@@ -300,6 +300,57 @@ class AmxInt4Linear(nn.Module):
         return y.view(*shape[:-1], y.shape[-1])
 
 
+class AmxInt8Linear(nn.Module):
+    """8-bit weights per group of 32 inputs (``w = q * step``, ``q`` in -127..127: GGUF Q8_0), summed on
+    AMX like :class:`AmxInt4Linear`: the LM head of the ``q4-amx`` kernel.
+
+    Why: the bundled model's head (tied to its Q8_0 embedding) is 49k x 576; read in bf16 it is 56 MB
+    per step, a quarter of a q4-amx step. Here it is read as its own 8-bit blocks (half the bytes)
+    and, like the 4-bit layers, summed as integers on AMX with the step applied to each group's sum:
+    a Q8_0 head is then exact (bf16 would round every weight to 8 significant bits), rows stay
+    independent of the pass (tested; :func:`batches_exactly` probes it), and 16 rows cost about one.
+    Weights that are not 8-bit blocks (another GGUF type, trained ones) are quantised to them
+    (``exact`` says which).
+    """
+
+    BLOCK = AmxInt4Linear.BLOCK
+    GROUP = Int4Linear.GROUP
+    TOL = Int4Linear.TOL
+
+    def __init__(self, lin: nn.Linear, source: Tensor | None = None) -> None:
+        super().__init__()
+        w = (lin.weight if source is None else source).detach().float()
+        n, k = w.shape
+        nb, g = n // self.BLOCK, k // self.GROUP
+        blocks = w.view(n, g, self.GROUP)
+        step = (blocks.abs().amax(-1) / 127.0).half().float()  # Q8_0's d is float16: exact for such blocks
+        r = blocks / step.clamp_min(1e-30)[..., None]
+        q = r.round().clamp_(-127, 127)
+        self.exact = bool(((r - q).abs() <= self.TOL).all())
+        del r
+        self.in_features, self.out_features = lin.in_features, lin.out_features
+        self.bias = lin.bias
+        # VNNI pairs: lane j of input pair p is column j // 2 at input 2p + j % 2
+        lanes = q.to(torch.int8).view(nb, self.BLOCK, k // 2, 2).permute(0, 2, 1, 3)
+        self.qbytes = lanes.reshape(nb, k // 2, 2 * self.BLOCK).contiguous()
+        self.scales = step.view(nb, self.BLOCK, g).transpose(1, 2)[:, :, None].half().contiguous()  # [nb, g, 1, 64]
+        if not torch.isfinite(self.scales).all():
+            raise ValueError("q4-amx: an 8-bit step does not fit float16")
+
+    @classmethod
+    def fits(cls, lin: nn.Module) -> bool:
+        return (
+            isinstance(lin, nn.Linear) and lin.in_features % cls.GROUP == 0 and lin.out_features % cls.BLOCK == 0
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        y = amx.extension().q8_linear(x.reshape(-1, shape[-1]).contiguous(), self.qbytes, self.scales)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*shape[:-1], y.shape[-1])
+
+
 def _activation_dtype(lin: nn.Module) -> torch.dtype:
     """The input dtype a linear layer of any of our kernels takes."""
     if isinstance(lin, nn.Linear):
@@ -339,7 +390,7 @@ def linear_like(lin: nn.Module, weight: Tensor) -> nn.Module:
         if bias is not None:
             plain.bias.copy_(bias)
     plain.requires_grad_(False)
-    if isinstance(lin, Int4Linear | AmxInt4Linear):
+    if isinstance(lin, Int4Linear | AmxInt4Linear | AmxInt8Linear):
         return type(lin)(plain, weight.float())
     if isinstance(lin, PackedLinear):
         return PackedLinear(plain)
@@ -394,6 +445,19 @@ def q4_amx_usable(model: Transformer) -> bool:
     return q4_amx_problem(model) is None
 
 
+def q8_amx_head_fits(model: Transformer) -> bool:
+    """Whether the q4-amx kernel's 8-bit head (:class:`AmxInt8Linear`) takes ``model``'s LM head here
+    (vocabulary divisible by 64; rows probed at the head's input width: a column's sums do not depend
+    on how many columns there are, so a 4,096-column probe stands for the whole head)."""
+    head = model.lm_head
+    n, k = head.out_features, head.in_features
+    return (
+        AmxInt8Linear.fits(head)
+        and amx.available()
+        and batches_exactly("q8-amx", min(n, 4096), k, torch.bfloat16, torch.get_num_threads())
+    )
+
+
 def _dense_layers(model: Transformer) -> list[nn.Module]:
     return [lin for b in model.layers for lin in (b.attn.wqkv, b.attn.wo, b.mlp.w13, b.mlp.w2)]
 
@@ -434,8 +498,11 @@ def use_kernels(model: Transformer, kernel: str = "auto", source: Mapping[str, T
         raise ValueError(problem)
     if kernel in ("q4", "q4-amx"):
         # The bundled head/embedding is Q8_0 (8-bit): 4 bits would lose accuracy there, so the head
-        # keeps oneDNN bf16 where available.
+        # keeps oneDNN bf16 where available, or under q4-amx its 8-bit blocks on AMX.
         head_wrap = PackedLinear if mkldnn_usable(model) else None
+        if kernel == "q4-amx" and q8_amx_head_fits(model):
+            head_src = (source or {}).get("lm_head.weight")
+            head_wrap = lambda lin: AmxInt8Linear(lin, head_src)  # noqa: E731
         if not q4_usable(model):
             raise ValueError(
                 f"the q4 kernel needs a dense (non-MoE) model with layer widths divisible by {Int4Linear.GROUP}"

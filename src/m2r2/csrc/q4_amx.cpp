@@ -1,52 +1,69 @@
-// 4-bit weight-only linear layer whose cost is nearly flat in the number of rows (1..16).
+// 4-bit and 8-bit weight-only linear layers whose cost is nearly flat in the number of rows (1..16).
 //
 // Why: a verify pass runs k rows through every layer. torch's CPU int4 kernel de-quantizes the
 // weights again for every 4 rows, so 8 rows cost ~2 one-row steps. Here the weights are never
-// de-quantized: a 4-bit weight is w = q * d + m (step d and minimum m per column and group of 32
-// inputs), so a group's contribution to an output is d * sum(q * x) + m * sum(x). Each group of 32
-// inputs x 64 columns is unpacked to its integers 0..15 as bf16 (exact; two byte-table shuffles and
-// two interleaves per 128 weights, into a 4 KB buffer in the VNNI pair layout AMX reads), AMX sums
-// q * x for up to 16 rows at once (TDPBF16PS: bf16 products are exact in float32; 1 row costs what
-// 16 cost), and the float32 result is scaled and added per column. Every output is summed group by
-// group in the same order whatever the number of rows, so a row's bits do not depend on the pass
-// (tested; the Python side also probes it once per shape). The next group is unpacked while AMX
-// works on this one, the weights a few groups ahead are prefetched, and column blocks run in
-// parallel on torch's thread pool (at::parallel_for, OpenMP).
+// de-quantized. Per column and group of 32 inputs a weight is w = q * d + m (4-bit: q in 0..15, step
+// d, minimum m) or w = q * d (8-bit: q in -127..127, GGUF Q8_0), so a group adds
+// d * sum(q * x) + m * sum(x) to an output. The integers are exact in bf16: each group of 32 inputs
+// x 64 columns is unpacked to bf16 integers (a 4 KB buffer in the VNNI pair layout AMX reads), AMX
+// sums q * x for up to 16 rows at once (TDPBF16PS: bf16 products are exact in float32; 1 row costs
+// what 16 cost), and the float32 sums are scaled per column. Every output is summed group by group in
+// the same order whatever the number of rows, so a row's bits do not depend on the pass (tested; the
+// Python side also probes it once per shape). The next group is unpacked while AMX works on this
+// one, the weights a few groups ahead are prefetched, and column blocks run in parallel on torch's
+// thread pool (at::parallel_for, OpenMP).
 //
-// Layout (written by m2r2.kernels.AmxInt4Linear):
-//   qbytes : uint8 [N/64, K/2, 64]  per column block and pair of inputs (2p, 2p+1): 128 nibbles for
-//            the 128 VNNI lanes (lane j: column j/2 at input 2p + j%2), placed where the shuffles
-//            below put them: the low nibbles of 64 bytes give lanes 0-63, the high ones 64-127, and
-//            within each half byte 16t+i (i < 8) gives lane 8t+i, byte 16t+8+i lane 32+8t+i.
-//   scales : half  [N/64, K/32, 2, 64]  per column block and group of 32 inputs: the 64 steps d,
-//            then the 64 minima m.
+// Layouts (written by m2r2.kernels.AmxInt4Linear / AmxInt8Linear). Per column block of 64 and pair
+// of inputs (2p, 2p+1) there are 128 VNNI lanes: lane j is column j/2 at input 2p + j%2.
+//   4-bit qbytes : uint8 [N/64, K/2, 64], 128 nibbles placed where the unpacking puts them: the low
+//            nibbles of the 64 bytes give lanes 0-63, the high ones 64-127, and within each half
+//            byte 16t+i (i < 8) gives lane 8t+i, byte 16t+8+i lane 32+8t+i.
+//          scales : half [N/64, K/32, 2, 64]: per group the 64 steps d, then the 64 minima m.
+//   8-bit qbytes : int8 [N/64, K/2, 128] in lane order.
+//          scales : half [N/64, K/32, 1, 64]: per group the 64 steps d.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>
+
 #include <sys/syscall.h>
 #include <unistd.h>
 
 namespace {
-constexpr int64_t NB = 64;  // columns per block
-constexpr int64_t MB = 16;  // rows per pass over the weights (one AMX tile of rows)
+
+constexpr int64_t NB = 64;       // columns per block
+constexpr int64_t MB = 16;       // rows per pass over the weights (one AMX tile of rows)
 constexpr int64_t PREFETCH = 4;  // groups of 32 inputs
 
+// Bytes of one group's packed weights: 16 input pairs of 64 (4-bit) or 128 (8-bit) bytes.
+template <int BITS>
+constexpr int64_t group_bytes = 16 * NB * BITS / 4;
+
 // One group (32 inputs x 64 columns) of integer weights into w: bf16 [16 input pairs][64 columns][2].
-// A nibble indexes two 16-entry byte tables (low and high byte of the bf16 value of 0..15); the two
-// bytes are interleaved into words, 128 lanes per 64 packed bytes.
+// 4-bit: a nibble indexes two 16-entry byte tables (low and high byte of the bf16 value of 0..15)
+// and the two bytes are interleaved into words. 8-bit: sign-extended and converted through float32.
+template <int BITS>
 inline void unpack_group(const uint8_t* q, at::BFloat16* w, __m512i lut_lo, __m512i lut_hi) {
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
   for (int p = 0; p < 16; ++p) {
-    const __m512i bytes = _mm512_loadu_si512(q + p * NB);
-    const __m512i lo = _mm512_and_si512(bytes, low4);
-    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4);
-    const __m512i lo_l = _mm512_shuffle_epi8(lut_lo, lo), lo_h = _mm512_shuffle_epi8(lut_hi, lo);
-    const __m512i hi_l = _mm512_shuffle_epi8(lut_lo, hi), hi_h = _mm512_shuffle_epi8(lut_hi, hi);
     __m512i* out = reinterpret_cast<__m512i*>(w + p * 2 * NB);
-    _mm512_store_si512(out + 0, _mm512_unpacklo_epi8(lo_l, lo_h));
-    _mm512_store_si512(out + 1, _mm512_unpackhi_epi8(lo_l, lo_h));
-    _mm512_store_si512(out + 2, _mm512_unpacklo_epi8(hi_l, hi_h));
-    _mm512_store_si512(out + 3, _mm512_unpackhi_epi8(hi_l, hi_h));
+    if constexpr (BITS == 4) {
+      const __m512i low4 = _mm512_set1_epi8(0x0F);
+      const __m512i bytes = _mm512_loadu_si512(q + p * NB);
+      const __m512i lo = _mm512_and_si512(bytes, low4);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4);
+      const __m512i lo_l = _mm512_shuffle_epi8(lut_lo, lo), lo_h = _mm512_shuffle_epi8(lut_hi, lo);
+      const __m512i hi_l = _mm512_shuffle_epi8(lut_lo, hi), hi_h = _mm512_shuffle_epi8(lut_hi, hi);
+      _mm512_store_si512(out + 0, _mm512_unpacklo_epi8(lo_l, lo_h));
+      _mm512_store_si512(out + 1, _mm512_unpackhi_epi8(lo_l, lo_h));
+      _mm512_store_si512(out + 2, _mm512_unpacklo_epi8(hi_l, hi_h));
+      _mm512_store_si512(out + 3, _mm512_unpackhi_epi8(hi_l, hi_h));
+    } else {
+      for (int h = 0; h < 4; ++h) {  // 32 lanes each
+        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + p * 2 * NB + 32 * h));
+        const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(bytes)));
+        const __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(bytes, 1)));
+        _mm512_store_si512(out + h, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+      }
+    }
   }
 }
 
@@ -64,27 +81,28 @@ inline void configure(int rows) {
   for (int t = 5; t < 7; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
   _tile_loadconfig(&cfg);
 }
-}  // namespace
 
-// y[M, N] (bf16) = x[M, K] (bf16) @ W^T for the packed 4-bit W [N, K].
-torch::Tensor q4_linear(torch::Tensor x, torch::Tensor qbytes, torch::Tensor scales) {
+// y[M, N] (bf16) = x[M, K] (bf16) @ W^T for the packed W [N, K] of BITS-bit integers.
+template <int BITS>
+torch::Tensor linear(torch::Tensor x, torch::Tensor qbytes, torch::Tensor scales) {
+  constexpr int64_t terms = BITS == 4 ? 2 : 1;  // per group: steps (and minima)
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x: contiguous bf16 [M, K]");
-  TORCH_CHECK(qbytes.scalar_type() == at::kByte && qbytes.is_contiguous() && qbytes.dim() == 3, "qbytes: uint8 [N/64, K/2, 64]");
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 4, "scales: half [N/64, K/32, 2, 64]");
+  TORCH_CHECK(qbytes.element_size() == 1 && qbytes.is_contiguous() && qbytes.dim() == 3, "qbytes: bytes [N/64, K/2, lanes]");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 4, "scales: half [N/64, K/32, terms, 64]");
   const int64_t M = x.size(0), K = x.size(1), blocks = qbytes.size(0), N = blocks * NB;
+  TORCH_CHECK(K % 32 == 0 && qbytes.size(1) * 2 == K && qbytes.size(2) == NB * BITS / 4, "packed weight does not match x");
+  TORCH_CHECK(scales.size(0) == blocks && scales.size(1) * 32 == K && scales.size(2) == terms && scales.size(3) == NB,
+              "scales do not match the packed weight");
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
   const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
-  const uint8_t* qp = qbytes.data_ptr<uint8_t>();
+  const uint8_t* qp = static_cast<const uint8_t*>(qbytes.data_ptr());
   const at::Half* sp = scales.data_ptr<at::Half>();
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
-  TORCH_CHECK(K % 32 == 0 && qbytes.size(1) * 2 == K && qbytes.size(2) == NB, "packed weight does not match x");
-  TORCH_CHECK(scales.size(0) == blocks && scales.size(1) * 32 == K && scales.size(2) == 2 && scales.size(3) == NB,
-              "scales do not match the packed weight");
   const int64_t groups = K / 32;
-  // per row and group: the sum of its 32 inputs (the minima's term), in a fixed order
-  std::vector<float> xsum(M * groups);
-  for (int64_t i = 0; i < M; ++i)
+  // 4-bit: per row and group, the sum of its 32 inputs (the minima's term), in a fixed order
+  std::vector<float> xsum(BITS == 4 ? M * groups : 0);
+  for (int64_t i = 0; i < (BITS == 4 ? M : 0); ++i)
     for (int64_t g = 0; g < groups; ++g) {
       const __m512i raw = _mm512_loadu_si512(xp + i * K + g * 32);
       const __m512 a = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(raw)), 16));
@@ -92,7 +110,7 @@ torch::Tensor q4_linear(torch::Tensor x, torch::Tensor qbytes, torch::Tensor sca
       xsum[i * groups + g] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
     }
   const float* xs = xsum.data();
-  alignas(64) uint8_t lo_bytes[64], hi_bytes[64];
+  alignas(64) uint8_t lo_bytes[64], hi_bytes[64];  // bf16 of 0..15, low and high bytes, per 128-bit lane
   for (int t = 0; t < 4; ++t)
     for (int v = 0; v < 16; ++v) {
       const uint16_t bits = c10::BFloat16(static_cast<float>(v)).x;
@@ -109,10 +127,10 @@ torch::Tensor q4_linear(torch::Tensor x, torch::Tensor qbytes, torch::Tensor sca
       const int rows = static_cast<int>(std::min(MB, M - m0));
       if (rows != configured) configure(rows), configured = rows;
       for (int64_t b = b0; b < b1; ++b) {
-        const uint8_t* qb = qp + b * (K / 2) * NB;
-        const at::Half* sb = sp + b * groups * 2 * NB;
+        const uint8_t* qb = qp + b * groups * group_bytes<BITS>;
+        const at::Half* sb = sp + b * groups * terms * NB;
         for (int i = 0; i < rows * NB; i += 16) _mm512_store_ps(acc + i, _mm512_setzero_ps());
-        unpack_group(qb, w[0], lut_lo, lut_hi);
+        unpack_group<BITS>(qb, w[0], lut_lo, lut_hi);
         for (int64_t g = 0; g < groups; ++g) {
           const at::BFloat16* wg = w[g & 1];
           _tile_zero(0);
@@ -131,29 +149,30 @@ torch::Tensor q4_linear(torch::Tensor x, torch::Tensor qbytes, torch::Tensor sca
           if (g + 1 < groups) {  // while AMX works: prefetch ahead, unpack the next group
             // (past the block's end: the next block's first groups; the hardware prefetcher alone
             // left the loop waiting on memory)
-            const uint8_t* ahead = qb + (g + PREFETCH) * 16 * NB;
-            for (int l = 0; l < 16; ++l) _mm_prefetch(reinterpret_cast<const char*>(ahead + l * NB), _MM_HINT_T0);
-            const char* sahead = reinterpret_cast<const char*>(sb + (g + PREFETCH) * 2 * NB);
-            for (int l = 0; l < 4; ++l) _mm_prefetch(sahead + 64 * l, _MM_HINT_T0);
-            unpack_group(qb + (g + 1) * 16 * NB, w[(g + 1) & 1], lut_lo, lut_hi);
+            const char* ahead = reinterpret_cast<const char*>(qb + (g + PREFETCH) * group_bytes<BITS>);
+            for (int l = 0; l < group_bytes<BITS> / 64; ++l) _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
+            const char* sahead = reinterpret_cast<const char*>(sb + (g + PREFETCH) * terms * NB);
+            for (int l = 0; l < 2 * terms; ++l) _mm_prefetch(sahead + 64 * l, _MM_HINT_T0);
+            unpack_group<BITS>(qb + (g + 1) * group_bytes<BITS>, w[(g + 1) & 1], lut_lo, lut_hi);
           }
           _tile_stored(0, c, NB * sizeof(float));
           _tile_stored(1, c + 16, NB * sizeof(float));
           _tile_stored(2, c + 32, NB * sizeof(float));
           _tile_stored(3, c + 48, NB * sizeof(float));
           // this group's terms, per row and column: fma(sum(q * x), d, acc), then fma(sum(x), m, acc)
-          const at::Half* s = sb + g * 2 * NB;
+          const at::Half* s = sb + g * terms * NB;
           __m512 d[4], mn[4];
           for (int t = 0; t < 4; ++t) {
             d[t] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 16 * t)));
-            mn[t] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + NB + 16 * t)));
+            if constexpr (BITS == 4)
+              mn[t] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + NB + 16 * t)));
           }
           for (int i = 0; i < rows; ++i) {
-            const __m512 xg = _mm512_set1_ps(xs[(m0 + i) * groups + g]);
+            const __m512 xg = BITS == 4 ? _mm512_set1_ps(xs[(m0 + i) * groups + g]) : _mm512_setzero_ps();
             for (int t = 0; t < 4; ++t) {
               __m512 a = _mm512_load_ps(acc + i * NB + 16 * t);
               a = _mm512_fmadd_ps(_mm512_load_ps(c + i * NB + 16 * t), d[t], a);
-              a = _mm512_fmadd_ps(xg, mn[t], a);
+              if constexpr (BITS == 4) a = _mm512_fmadd_ps(xg, mn[t], a);
               _mm512_store_ps(acc + i * NB + 16 * t, a);
             }
           }
@@ -169,16 +188,18 @@ torch::Tensor q4_linear(torch::Tensor x, torch::Tensor qbytes, torch::Tensor sca
   return y;
 }
 
-// Whether this CPU runs the kernel: AVX512-BF16/BW for the unpacking and sums, AMX for the products.
+}  // namespace
+
+// Whether this CPU runs the kernels: AVX512-BF16/BW for the unpacking and sums, AMX for the products.
 // (Linux gives a process AMX state only on request: ARCH_REQ_XCOMP_PERM for XTILEDATA.)
 bool usable() {
   constexpr int ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
   return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("amx-bf16") &&
-         syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+         __builtin_cpu_supports("amx-bf16") && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("q4_linear", &q4_linear, "4-bit weight-only linear layer (AMX)");
-  m.def("usable", &usable, "whether this CPU can run q4_linear");
+  m.def("q4_linear", &linear<4>, "4-bit weight-only linear layer (AMX)");
+  m.def("q8_linear", &linear<8>, "8-bit weight-only linear layer (AMX)");
+  m.def("usable", &usable, "whether this CPU can run the kernels");
 }
