@@ -3,7 +3,8 @@
 Why C++: a verify pass runs a handful of rows through every layer, and torch's CPU 4-bit GEMM
 de-quantizes the weights again for every 4 rows (v(8) = 1.96 on the bundled model). The kernel in
 ``csrc/q4_amx.cpp`` unpacks each block's 4-bit integers once per call and lets AMX multiply up to
-16 rows at the cost of one (the steps and minima are applied to the sums, per group of 32 inputs). torch's own extension builder compiles it (about 30 s, once) into
+16 rows at the cost of one (steps and minima are applied to the sums per group of 32 inputs; the
+LM head runs the same way on its 8-bit blocks). torch's own extension builder compiles it (about 30 s, once) into
 ``$M2R2_CACHE/ext/``, keyed by the source, the torch version and the compiler flags; a CPU without
 AMX/AVX512-BF16, or a machine without a C++ compiler, simply does not get the kernel (``auto`` then
 picks ``q4``), and says why once.

@@ -38,8 +38,9 @@ _PROBE_ROWS = (2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 24, 31, 32)
 @functools.cache
 def batches_exactly(kind: str, out_features: int, in_features: int, dtype: torch.dtype, threads: int) -> bool:
     """Whether this machine's ``kind`` GEMM ("packed" oneDNN, "plain" ``F.linear``, "q4-amx"
-    :class:`AmxInt4Linear` or "q8-amx" :class:`AmxInt8Linear`) gives each row of a 2..:data:`ROW_INVARIANT_MAX_ROWS`-row pass the bits it
-    gets alone, probed once per shape and thread count.
+    :class:`AmxInt4Linear` or "q8-amx" :class:`AmxInt8Linear`) gives each row of a
+    2..:data:`ROW_INVARIANT_MAX_ROWS`-row pass the bits it gets alone, probed once per shape and
+    thread count.
 
     Why a probe: oneDNN picks its algorithm by CPU and shape, not by values. With native bf16 (AMX)
     a multi-row pass was measured row-invariant and nearly as cheap as one row (so verification
@@ -268,8 +269,8 @@ class AmxInt4Linear(nn.Module):
     BLOCK = 64
     #: where each packed byte's low / high nibble lands among a pair's 128 VNNI lanes (the kernel's
     #: byte shuffles and interleaves place byte 16t+i at lane 8t+i, byte 16t+8+i at lane 32+8t+i)
-    LOW_LANES = [8 * (b // 16) + b % 8 + (32 if b % 16 >= 8 else 0) for b in range(64)]
-    HIGH_LANES = [64 + lane for lane in LOW_LANES]
+    LOW_LANES = tuple(8 * (b // 16) + b % 8 + (32 if b % 16 >= 8 else 0) for b in range(64))
+    HIGH_LANES = tuple(64 + lane for lane in LOW_LANES)
 
     def __init__(self, lin: nn.Linear, source: Tensor | None = None) -> None:
         super().__init__()
@@ -282,7 +283,7 @@ class AmxInt4Linear(nn.Module):
         lanes = (
             q.to(torch.uint8).view(nb, self.BLOCK, k // 2, 2).permute(0, 2, 1, 3).reshape(nb, k // 2, 2 * self.BLOCK)
         )
-        self.qbytes = (lanes[..., self.LOW_LANES] | (lanes[..., self.HIGH_LANES] << 4)).contiguous()
+        self.qbytes = (lanes[..., list(self.LOW_LANES)] | (lanes[..., list(self.HIGH_LANES)] << 4)).contiguous()
         per_block = [t.view(nb, self.BLOCK, g).transpose(1, 2) for t in (step, lo)]
         self.scales = torch.stack(per_block, dim=2).half().contiguous()  # [nb, g, 2, 64]
         if not torch.isfinite(self.scales).all():
@@ -339,9 +340,7 @@ class AmxInt8Linear(nn.Module):
 
     @classmethod
     def fits(cls, lin: nn.Module) -> bool:
-        return (
-            isinstance(lin, nn.Linear) and lin.in_features % cls.GROUP == 0 and lin.out_features % cls.BLOCK == 0
-        )
+        return isinstance(lin, nn.Linear) and lin.in_features % cls.GROUP == 0 and lin.out_features % cls.BLOCK == 0
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
