@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from m2r2 import amx
 from m2r2.errors import SettingsError
@@ -121,3 +122,54 @@ def test_q4_amx_refuses_widths_it_does_not_take(tiny_model) -> None:
     d = tiny_model(hidden_size=32, intermediate_size=64)
     with pytest.raises(SettingsError, match="divisible by 64"):
         load_model(d, torch.bfloat16, kernel="q4-amx")
+
+
+needs_ext = pytest.mark.skipif(amx.extension() is None, reason="the C++ kernels do not build or run here")
+
+
+@needs_ext
+@pytest.mark.parametrize("threads", [1, 2])
+def test_row_attention_bits_do_not_depend_on_where_keys_sit(threads: int) -> None:
+    """A row that sees the prefix and a few keys scattered after it (a tree row) gets the bits it gets
+    with those keys packed right after the prefix (decoding's layout); values match float32 SDPA."""
+    g = torch.Generator().manual_seed(7)
+    heads, kv_heads, d, s, prefix = 6, 2, 64, 96, 70
+    k = torch.randn(1, kv_heads, s, d, generator=g)
+    v = torch.randn(1, kv_heads, s, d, generator=g)
+    q = torch.randn(1, heads, 5, d, generator=g)
+    slots = [[], [72], [72, 75], [71, 80, 93], [74]]  # each row's keys after the prefix, scattered
+    gapped = torch.zeros(1, 5, s, dtype=torch.bool)
+    gapped[..., :prefix] = True
+    for r, extra in enumerate(slots):
+        gapped[0, r, extra] = True
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = amx.extension().row_attention(q, k, v, gapped, d**-0.5)
+        for r, extra in enumerate(slots):
+            order = list(range(prefix)) + extra + [i for i in range(s) if i >= prefix and i not in extra]
+            packed = torch.zeros(1, 1, s, dtype=torch.bool)
+            packed[..., : prefix + len(extra)] = True
+            alone = amx.extension().row_attention(
+                q[:, :, r : r + 1].contiguous(), k[:, :, order].contiguous(), v[:, :, order].contiguous(), packed, d**-0.5
+            )
+            assert torch.equal(out[:, r : r + 1], alone), f"row {r}"
+            ref = F.scaled_dot_product_attention(
+                q[:, :, r : r + 1], k, v, attn_mask=gapped[:, r : r + 1], enable_gqa=True
+            ).transpose(1, 2)
+            assert torch.allclose(out[:, r : r + 1], ref, atol=1e-5, rtol=1e-5)
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_ext
+def test_row_attention_batches_sequences_exactly() -> None:
+    """Several sequences (batch items, own keys and mask each) get the bits of their lone calls."""
+    g = torch.Generator().manual_seed(8)
+    k, v = torch.randn(3, 3, 40, 64, generator=g), torch.randn(3, 3, 40, 64, generator=g)
+    q = torch.randn(3, 9, 1, 64, generator=g)
+    mask = torch.arange(40)[None, None, :] < torch.tensor([5, 40, 17])[:, None, None]
+    out = amx.extension().row_attention(q, k, v, mask, 0.125)
+    for b in range(3):
+        alone = amx.extension().row_attention(q[b : b + 1], k[b : b + 1], v[b : b + 1], mask[b : b + 1], 0.125)
+        assert torch.equal(out[b : b + 1], alone)

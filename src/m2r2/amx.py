@@ -25,7 +25,7 @@ import torch
 from m2r2.machine import cpu_has
 from m2r2.paths import cache_root
 
-SOURCE = Path(__file__).with_name("csrc") / "q4_amx.cpp"
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("q4_amx.cpp", "row_attention.cpp")]
 FLAGS = [
     "-O3",
     "-mavx512f",
@@ -50,7 +50,7 @@ def extension() -> ModuleType | None:
     """The compiled kernel module, or None where this machine cannot build or run it."""
     if os.environ.get(DISABLE_ENV) == "1" or not all(cpu_has(f) for f in CPU_FLAGS):
         return None
-    text = SOURCE.read_bytes()
+    text = b"".join(src.read_bytes() for src in SOURCES)
     key = hashlib.sha256(text + torch.__version__.encode() + " ".join(FLAGS + LDFLAGS).encode()).hexdigest()[:12]
     build = cache_root() / "ext" / f"q4_amx-{key}"
     try:
@@ -61,7 +61,7 @@ def extension() -> ModuleType | None:
             print("m2r2: building the q4-amx kernel for this CPU (once, ~30 s)", file=sys.stderr)
         module = load(
             name=f"m2r2_q4_amx_{key}",
-            sources=[str(SOURCE)],
+            sources=[str(src) for src in SOURCES],
             extra_cflags=FLAGS,
             extra_ldflags=LDFLAGS,
             build_directory=str(build),

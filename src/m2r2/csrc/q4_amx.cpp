@@ -198,8 +198,12 @@ bool usable() {
          __builtin_cpu_supports("amx-bf16") && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
 }
 
+// row_attention.cpp
+torch::Tensor row_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask, double scale);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_linear", &linear<4>, "4-bit weight-only linear layer (AMX)");
   m.def("q8_linear", &linear<8>, "8-bit weight-only linear layer (AMX)");
+  m.def("row_attention", &row_attention, "attention of a few rows, bits independent of the keys' layout");
   m.def("usable", &usable, "whether this CPU can run the kernels");
 }
