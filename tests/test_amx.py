@@ -151,7 +151,11 @@ def test_row_attention_bits_do_not_depend_on_where_keys_sit(threads: int) -> Non
             packed = torch.zeros(1, 1, s, dtype=torch.bool)
             packed[..., : prefix + len(extra)] = True
             alone = amx.extension().row_attention(
-                q[:, :, r : r + 1].contiguous(), k[:, :, order].contiguous(), v[:, :, order].contiguous(), packed, d**-0.5
+                q[:, :, r : r + 1].contiguous(),
+                k[:, :, order].contiguous(),
+                v[:, :, order].contiguous(),
+                packed,
+                d**-0.5,
             )
             assert torch.equal(out[:, r : r + 1], alone), f"row {r}"
             ref = F.scaled_dot_product_attention(
