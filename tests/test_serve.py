@@ -423,12 +423,16 @@ def test_bundled_model_m2r2_alone_and_batched_together_is_lossless(real_engine_b
 # --------------------------------------------------------------------------- command line
 
 
-def test_serve_kernel_auto_takes_mkldnn_only_for_large_batches_on_amx(monkeypatch):
+def test_serve_kernel_auto_takes_mkldnn_only_for_large_batches_on_amx_without_q4_amx(monkeypatch):
+    from m2r2 import amx
     from m2r2.serve import scheduler
     from m2r2.serve.scheduler import MKLDNN_FROM_BATCH, serve_kernel
 
     monkeypatch.setattr(scheduler, "cpu_has", lambda flag: flag == "amx_bf16")
     big = MKLDNN_FROM_BATCH
+    monkeypatch.setattr(amx, "available", lambda: True)
+    assert serve_kernel("auto", big, "bf16", "cpu") == "auto"  # q4-amx: flat in rows, fastest at every batch
+    monkeypatch.setattr(amx, "available", lambda: False)
     assert serve_kernel("auto", big, "bf16", "cpu") == "mkldnn"
     assert serve_kernel("auto", big - 1, "bf16", "cpu") == "auto"  # the default batch: q4 wins below
     assert serve_kernel("q4", big, "bf16", "cpu") == "q4"  # an explicit choice is kept

@@ -21,19 +21,20 @@ match ``Engine.generate``), and the requests of a class are consecutive items of
 batched step attends over them through a view, without copying caches.
 
 Which kernel (``m2r2 serve --kernel auto``, :func:`serve_kernel`). One batched step (step_rows +
-greedy head) of B requests with 190-235-token prompts, SmolLM2-135M bf16, 1 thread, on the 2-core
-AMX Xeon (``benchmarks/serve/step_rows.py``, CPU ms, best of 15; other runs on the shared machine
-differed by up to 10%):
+greedy head) of B requests with 190-235-token prompts, pooled caches, SmolLM2-135M bf16, 1 thread,
+on the 2-core AMX Xeon (``benchmarks/serve/step_rows.py``, CPU ms, best of 12; the machine is
+shared, runs differ by ~10%):
 
-    B            1      2      4      8      16
-    q4 (ms)     25     35     45     75     133
-    mkldnn (ms) 40     49     54     74      91
+    B              1      2      4      8      16
+    q4-amx (ms)   22     30     32     44      67
+    q4 (ms)       26     33     44     94     152
+    mkldnn (ms)   50     59     66    101     105
 
-The 4-bit kernel reads a quarter of the bytes and wins alone; oneDNN's AMX GEMM is nearly flat in
-rows and wins from ~16 rows. At the default ``--max-batch 8`` the two tie at full load (69-81 ms
-each over five runs) while q4 is 1.2-1.6x faster below it, so ``auto`` stays q4; from
-``--max-batch`` :data:`MKLDNN_FROM_BATCH` on an AMX CPU it loads ``mkldnn`` (throughput at high load
-over latency at low load). An explicit ``--kernel`` is kept.
+``auto`` loads q4-amx where it builds (the 4-bit weights summed on AMX, flat in rows) and it is
+fastest at every batch size. Where it does not (no AMX or no compiler) the 4-bit ``q4`` kernel wins
+alone and oneDNN's bf16 GEMM from ~16 rows, so from ``--max-batch`` :data:`MKLDNN_FROM_BATCH` on an
+AMX CPU without q4-amx ``auto`` loads ``mkldnn`` (throughput at high load over latency at low
+load). An explicit ``--kernel`` is kept.
 
 The thread owns all torch work; the HTTP side only submits, cancels, and reads :class:`Update`s
 delivered through each job's ``emit`` callback.
@@ -53,6 +54,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from m2r2 import amx
 from m2r2.decoding.base import GenerationConfig, Sampler, Stopper, begin
 from m2r2.decoding.speculative import SelfSpeculative
 from m2r2.decoding.tree import TreeSpeculative
@@ -67,17 +69,19 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("m2r2.serve")
 
-#: From this ``--max-batch`` on, ``--kernel auto`` serves with oneDNN bf16 on an AMX CPU (module docstring).
+#: From this ``--max-batch`` on, ``--kernel auto`` serves with oneDNN bf16 on an AMX CPU without q4-amx (module docstring).
 MKLDNN_FROM_BATCH = 16
 
 
 def serve_kernel(kernel: str, max_batch: int, dtype: str, device: str | None) -> str:
     """The ``--kernel`` to load for a server of ``max_batch`` concurrent requests: the user's choice,
-    or for ``auto`` ``mkldnn`` where large batches are cheaper with it (bf16 on an AMX CPU, at least
-    :data:`MKLDNN_FROM_BATCH` requests), else ``auto`` (the 4-bit kernel where the model fits it)."""
+    or for ``auto`` ``mkldnn`` where large batches are cheaper with it (bf16 on an AMX CPU where the
+    q4-amx kernel does not run, at least :data:`MKLDNN_FROM_BATCH` requests), else ``auto`` (q4-amx
+    or q4 where the model fits them)."""
     if kernel != "auto" or max_batch < MKLDNN_FROM_BATCH or dtype != "bf16" or (device or default_device()) != "cpu":
         return kernel
-    return "mkldnn" if torch.backends.mkldnn.is_available() and cpu_has("amx_bf16") else kernel
+    amx_gemm = torch.backends.mkldnn.is_available() and cpu_has("amx_bf16")
+    return "mkldnn" if amx_gemm and not amx.available() else kernel
 
 
 class QueueFull(M2R2Error):
