@@ -14,7 +14,8 @@ tree kept for verification is the most probable nodes, as many as maximise expec
 second under measured costs (the drafter's start, draft levels and verify passes of k rows; a path's
 probability, calibrated online by how often drafts are accepted, is its chance of being accepted).
 One slow pass over ``[x, nodes...]`` with a tree mask (each row sees the verified prefix and its
-ancestors; :class:`m2r2.model.GappedMask` gives each row the bits a decoding step would) yields the
+ancestors; the C++ row attention, or else a :class:`m2r2.model.GappedMask`, gives each row the bits
+a decoding step would, :func:`m2r2.model.attend`) yields the
 slow argmax of every node; the longest path whose tokens match is accepted, its K/V is compacted
 behind the prefix (:meth:`KVCache.keep`), and the slow state of its last node seeds the next round.
 
