@@ -69,7 +69,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("m2r2.serve")
 
-#: From this ``--max-batch`` on, ``--kernel auto`` serves with oneDNN bf16 on an AMX CPU without q4-amx (module docstring).
+#: From this ``--max-batch`` on, ``--kernel auto`` serves with oneDNN bf16 on an AMX CPU without q4-amx
+#: (module docstring).
 MKLDNN_FROM_BATCH = 16
 
 
