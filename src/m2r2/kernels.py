@@ -250,7 +250,22 @@ class Int4Linear(nn.Module):
         return y.view(*shape[:-1], y.shape[-1])
 
 
-class AmxInt4Linear(nn.Module):
+class _AmxLinear(nn.Module):
+    """What the AMX kernels share: integer weights packed per block of 64 columns (``qbytes``),
+    float16 steps per group of 32 inputs (``scales``), and the C++ op ``OP`` that sums them."""
+
+    BLOCK = 64
+    OP = ""
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        y = getattr(amx.extension(), self.OP)(x.reshape(-1, shape[-1]).contiguous(), self.qbytes, self.scales)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*shape[:-1], y.shape[-1])
+
+
+class AmxInt4Linear(_AmxLinear):
     """The same 4-bit weights as :class:`Int4Linear`, multiplied on AMX: up to 16 rows cost about one.
 
     Why: a verify pass (a token tree, a copied chain) runs several rows through every layer, and
@@ -266,7 +281,7 @@ class AmxInt4Linear(nn.Module):
     and ``m`` are float16), a 2^-11 relative rounding for Q4_K sub-block scales.
     """
 
-    BLOCK = 64
+    OP = "q4_linear"
     #: where each packed byte's low / high nibble lands among a pair's 128 VNNI lanes (the kernel's
     #: byte shuffles and interleaves place byte 16t+i at lane 8t+i, byte 16t+8+i at lane 32+8t+i)
     LOW_LANES = tuple(8 * (b // 16) + b % 8 + (32 if b % 16 >= 8 else 0) for b in range(64))
@@ -293,15 +308,8 @@ class AmxInt4Linear(nn.Module):
     def fits(cls, lin: nn.Module) -> bool:
         return Int4Linear.fits(lin) and lin.out_features % cls.BLOCK == 0
 
-    def forward(self, x: Tensor) -> Tensor:
-        shape = x.shape
-        y = amx.extension().q4_linear(x.reshape(-1, shape[-1]).contiguous(), self.qbytes, self.scales)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*shape[:-1], y.shape[-1])
 
-
-class AmxInt8Linear(nn.Module):
+class AmxInt8Linear(_AmxLinear):
     """8-bit weights per group of 32 inputs (``w = q * step``, ``q`` in -127..127: GGUF Q8_0), summed on
     AMX like :class:`AmxInt4Linear`: the LM head of the ``q4-amx`` kernel.
 
@@ -314,7 +322,7 @@ class AmxInt8Linear(nn.Module):
     (``exact`` says which).
     """
 
-    BLOCK = AmxInt4Linear.BLOCK
+    OP = "q8_linear"
     GROUP = Int4Linear.GROUP
     TOL = Int4Linear.TOL
 
@@ -341,13 +349,6 @@ class AmxInt8Linear(nn.Module):
     @classmethod
     def fits(cls, lin: nn.Module) -> bool:
         return isinstance(lin, nn.Linear) and lin.in_features % cls.GROUP == 0 and lin.out_features % cls.BLOCK == 0
-
-    def forward(self, x: Tensor) -> Tensor:
-        shape = x.shape
-        y = amx.extension().q8_linear(x.reshape(-1, shape[-1]).contiguous(), self.qbytes, self.scales)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*shape[:-1], y.shape[-1])
 
 
 def _activation_dtype(lin: nn.Module) -> torch.dtype:
@@ -389,7 +390,7 @@ def linear_like(lin: nn.Module, weight: Tensor) -> nn.Module:
         if bias is not None:
             plain.bias.copy_(bias)
     plain.requires_grad_(False)
-    if isinstance(lin, Int4Linear | AmxInt4Linear | AmxInt8Linear):
+    if isinstance(lin, Int4Linear | _AmxLinear):
         return type(lin)(plain, weight.float())
     if isinstance(lin, PackedLinear):
         return PackedLinear(plain)
