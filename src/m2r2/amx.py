@@ -1,10 +1,13 @@
-"""The C++ half of the ``q4-amx`` kernel (:class:`m2r2.kernels.AmxInt4Linear`), built once per machine.
+"""The C++ kernels (``csrc/``), built once per machine: the ``q4-amx`` linears
+(:class:`m2r2.kernels.AmxInt4Linear`, :class:`m2r2.kernels.AmxInt8Linear`) and the row attention
+(:func:`m2r2.model.row_kernel`).
 
 Why C++: a verify pass runs a handful of rows through every layer, and torch's CPU 4-bit GEMM
 de-quantizes the weights again for every 4 rows (v(8) = 1.96 on the bundled model). The kernel in
 ``csrc/q4_amx.cpp`` unpacks each block's 4-bit integers once per call and lets AMX multiply up to
 16 rows at the cost of one (steps and minima are applied to the sums per group of 32 inputs; the
-LM head runs the same way on its 8-bit blocks). torch's own extension builder compiles it (about 30 s, once) into
+LM head runs the same way on its 8-bit blocks). torch's own extension builder compiles them (about
+30 s, once) into
 ``$M2R2_CACHE/ext/``, keyed by the source, the torch version and the compiler flags; a CPU without
 AMX/AVX512-BF16, or a machine without a C++ compiler, simply does not get the kernel (``auto`` then
 picks ``q4``), and says why once.

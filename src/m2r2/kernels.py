@@ -251,11 +251,37 @@ class Int4Linear(nn.Module):
 
 
 class _AmxLinear(nn.Module):
-    """What the AMX kernels share: integer weights packed per block of 64 columns (``qbytes``),
-    float16 steps per group of 32 inputs (``scales``), and the C++ op ``OP`` that sums them."""
+    """What the AMX kernels share: integer weights ``q`` packed per block of 64 columns in AMX's pair
+    layout (``qbytes``), float16 terms per column and group of 32 inputs (``scales``), and the C++
+    op ``OP`` that sums them. A subclass gives the integers, the terms and how lanes pack to bytes."""
 
     BLOCK = 64
+    GROUP = 32
     OP = ""
+
+    def __init__(self, lin: nn.Linear, q: Tensor, terms: list[Tensor]) -> None:
+        """``q`` ``[n, k]`` integers; ``terms`` the per-group factors (``[n, k/32]`` each)."""
+        super().__init__()
+        n, k = q.shape
+        nb = n // self.BLOCK
+        self.in_features, self.out_features = lin.in_features, lin.out_features
+        self.bias = lin.bias
+        # VNNI pairs: lane j of input pair p is column j // 2 at input 2p + j % 2
+        lanes = q.view(nb, self.BLOCK, k // 2, 2).permute(0, 2, 1, 3).reshape(nb, k // 2, 2 * self.BLOCK)
+        self.qbytes = self.pack(lanes).contiguous()
+        per_block = [t.view(nb, self.BLOCK, k // self.GROUP).transpose(1, 2) for t in terms]
+        self.scales = torch.stack(per_block, dim=2).half().contiguous()  # [nb, k/32, len(terms), 64]
+        if not torch.isfinite(self.scales).all():
+            raise ValueError(f"q4-amx: a step or minimum of a {type(self).__name__} does not fit float16")
+
+    @staticmethod
+    def pack(lanes: Tensor) -> Tensor:
+        """The bytes the C++ op reads for integer ``lanes`` ``[blocks, k/2, 128]``."""
+        raise NotImplementedError
+
+    @classmethod
+    def fits(cls, lin: nn.Module) -> bool:
+        return isinstance(lin, nn.Linear) and lin.in_features % cls.GROUP == 0 and lin.out_features % cls.BLOCK == 0
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
@@ -288,25 +314,13 @@ class AmxInt4Linear(_AmxLinear):
     HIGH_LANES = tuple(64 + lane for lane in LOW_LANES)
 
     def __init__(self, lin: nn.Linear, source: Tensor | None = None) -> None:
-        super().__init__()
-        q, step, lo, self.exact = Int4Linear.quantize(lin, source)
-        n, k = q.shape
-        nb, g = n // self.BLOCK, k // Int4Linear.GROUP
-        self.in_features, self.out_features = lin.in_features, lin.out_features
-        self.bias = lin.bias
-        # VNNI pairs: lane j of input pair p is column j // 2 at input 2p + j % 2
-        lanes = (
-            q.to(torch.uint8).view(nb, self.BLOCK, k // 2, 2).permute(0, 2, 1, 3).reshape(nb, k // 2, 2 * self.BLOCK)
-        )
-        self.qbytes = (lanes[..., list(self.LOW_LANES)] | (lanes[..., list(self.HIGH_LANES)] << 4)).contiguous()
-        per_block = [t.view(nb, self.BLOCK, g).transpose(1, 2) for t in (step, lo)]
-        self.scales = torch.stack(per_block, dim=2).half().contiguous()  # [nb, g, 2, 64]
-        if not torch.isfinite(self.scales).all():
-            raise ValueError("q4-amx: a 4-bit step or minimum does not fit float16")
+        q, step, lo, exact = Int4Linear.quantize(lin, source)
+        super().__init__(lin, q.to(torch.uint8), [step, lo])
+        self.exact = exact
 
-    @classmethod
-    def fits(cls, lin: nn.Module) -> bool:
-        return Int4Linear.fits(lin) and lin.out_features % cls.BLOCK == 0
+    @staticmethod
+    def pack(lanes: Tensor) -> Tensor:
+        return lanes[..., list(AmxInt4Linear.LOW_LANES)] | (lanes[..., list(AmxInt4Linear.HIGH_LANES)] << 4)
 
 
 class AmxInt8Linear(_AmxLinear):
@@ -314,41 +328,31 @@ class AmxInt8Linear(_AmxLinear):
     AMX like :class:`AmxInt4Linear`: the LM head of the ``q4-amx`` kernel.
 
     Why: the bundled model's head (tied to its Q8_0 embedding) is 49k x 576; read in bf16 it is 56 MB
-    per step, a quarter of a q4-amx step. Here it is read as its own 8-bit blocks (half the bytes)
-    and, like the 4-bit layers, summed as integers on AMX with the step applied to each group's sum:
-    a Q8_0 head is then exact (bf16 would round every weight to 8 significant bits), rows stay
-    independent of the pass (tested; :func:`batches_exactly` probes it), and 16 rows cost about one.
-    Weights that are not 8-bit blocks (another GGUF type, trained ones) are quantised to them
+    per step, about a fifth of a q4 step's time here. Here it is read as its own 8-bit blocks (half
+    the bytes) and, like the 4-bit layers, summed as integers on AMX with the step applied to each
+    group's sum: a Q8_0 head is then exact (bf16 would round every weight to 8 significant bits), rows
+    stay independent of the pass (tested; :func:`batches_exactly` probes it), and 16 rows cost about
+    one. Weights that are not 8-bit blocks (another GGUF type, trained ones) are quantised to them
     (``exact`` says which).
     """
 
     OP = "q8_linear"
-    GROUP = Int4Linear.GROUP
-    TOL = Int4Linear.TOL
 
     def __init__(self, lin: nn.Linear, source: Tensor | None = None) -> None:
-        super().__init__()
         w = (lin.weight if source is None else source).detach().float()
         n, k = w.shape
-        nb, g = n // self.BLOCK, k // self.GROUP
-        blocks = w.view(n, g, self.GROUP)
+        blocks = w.view(n, k // self.GROUP, self.GROUP)
         step = (blocks.abs().amax(-1) / 127.0).half().float()  # Q8_0's d is float16: exact for such blocks
         r = blocks / step.clamp_min(1e-30)[..., None]
         q = r.round().clamp_(-127, 127)
-        self.exact = bool(((r - q).abs() <= self.TOL).all())
+        exact = bool(((r - q).abs() <= Int4Linear.TOL).all())
         del r
-        self.in_features, self.out_features = lin.in_features, lin.out_features
-        self.bias = lin.bias
-        # VNNI pairs: lane j of input pair p is column j // 2 at input 2p + j % 2
-        lanes = q.to(torch.int8).view(nb, self.BLOCK, k // 2, 2).permute(0, 2, 1, 3)
-        self.qbytes = lanes.reshape(nb, k // 2, 2 * self.BLOCK).contiguous()
-        self.scales = step.view(nb, self.BLOCK, g).transpose(1, 2)[:, :, None].half().contiguous()  # [nb, g, 1, 64]
-        if not torch.isfinite(self.scales).all():
-            raise ValueError("q4-amx: an 8-bit step does not fit float16")
+        super().__init__(lin, q.view(n, k).to(torch.int8), [step])
+        self.exact = exact
 
-    @classmethod
-    def fits(cls, lin: nn.Module) -> bool:
-        return isinstance(lin, nn.Linear) and lin.in_features % cls.GROUP == 0 and lin.out_features % cls.BLOCK == 0
+    @staticmethod
+    def pack(lanes: Tensor) -> Tensor:
+        return lanes
 
 
 def _activation_dtype(lin: nn.Module) -> torch.dtype:
@@ -472,8 +476,8 @@ def use_kernels(model: Transformer, kernel: str = "auto", source: Mapping[str, T
     ``q4-amx`` for bf16 on an AMX CPU where the kernel builds and every layer fits it, else ``q4``,
     else ``mkldnn``, else ``plain``. Measured on the bundled Q4_1 model (BENCHMARKS.md): q4 decodes
     ~1.7x faster than oneDNN bf16 with the same agreement with the fp32 reference, because it runs
-    the GGUF's own 4-bit weights; q4-amx runs the same weights with a one-token step ~0.89 of q4's
-    and verify passes nearly flat in rows (8 rows ~1.14 of q4's one-token step, "Sixth round").
+    the GGUF's own 4-bit weights; q4-amx runs the same weights with a one-token step 0.85-0.87 of
+    q4's and verify passes nearly flat in rows (8 rows 1.22-1.28 of q4's one-token step, "Sixth round").
     """
     if kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; choose from {', '.join(KERNELS)}")
@@ -501,8 +505,7 @@ def use_kernels(model: Transformer, kernel: str = "auto", source: Mapping[str, T
         # keeps oneDNN bf16 where available, or under q4-amx its 8-bit blocks on AMX.
         head_wrap = PackedLinear if mkldnn_usable(model) else None
         if kernel == "q4-amx" and q8_amx_head_fits(model):
-            head_src = (source or {}).get("lm_head.weight")
-            head_wrap = lambda lin: AmxInt8Linear(lin, head_src)  # noqa: E731
+            head_wrap = functools.partial(AmxInt8Linear, source=(source or {}).get("lm_head.weight"))
         if not q4_usable(model):
             raise ValueError(
                 f"the q4 kernel needs a dense (non-MoE) model with layer widths divisible by {Int4Linear.GROUP}"
