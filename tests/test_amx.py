@@ -167,6 +167,23 @@ def test_row_attention_bits_do_not_depend_on_where_keys_sit(threads: int) -> Non
 
 
 @needs_ext
+def test_row_attention_reads_a_bfloat16_cache_as_its_float32_widening() -> None:
+    """The cache is read in place: bfloat16 keys and values give the bits of their exact float32 copies,
+    for head sizes with a partial last chunk of 16 and for allowed-key counts off a multiple of 16."""
+    g = torch.Generator().manual_seed(9)
+    for heads, kv_heads, d, s in ((9, 3, 64, 53), (4, 2, 80, 16), (8, 1, 8, 31)):
+        k = torch.randn(2, kv_heads, s, d, generator=g).bfloat16()
+        v = torch.randn(2, kv_heads, s, d, generator=g).bfloat16()
+        q = torch.randn(2, heads, 3, d, generator=g)
+        mask = torch.rand(2, 3, s, generator=g) < 0.6
+        mask[..., 0] = True
+        out = amx.extension().row_attention(q, k, v, mask, d**-0.5)
+        assert torch.equal(out, amx.extension().row_attention(q, k.float(), v.float(), mask, d**-0.5))
+        ref = F.scaled_dot_product_attention(q, k.float(), v.float(), attn_mask=mask[:, None], enable_gqa=True)
+        assert torch.allclose(out, ref.transpose(1, 2), atol=1e-5, rtol=1e-5)
+
+
+@needs_ext
 def test_row_attention_batches_sequences_exactly() -> None:
     """Several sequences (batch items, own keys and mask each) get the bits of their lone calls."""
     g = torch.Generator().manual_seed(8)

@@ -201,6 +201,10 @@ def row_kernel(dtype: torch.dtype, device: torch.device) -> ModuleType | None:
     return amx.extension() if attends_in_float32(dtype, device) else None
 
 
+#: key/value dtypes the C++ row attention reads in place (a bfloat16 cache is widened exactly as it is read)
+_ROW_KEY_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | GappedMask | None) -> Tensor:
     """Scaled dot-product attention with grouped-query heads; ``mask`` is boolean (True = attend).
 
@@ -220,7 +224,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | GappedMask | None) ->
     gqa = k.shape[1] != h
     if mask is not None and t <= ROW_INVARIANT_MAX_ROWS and (ext := row_kernel(q.dtype, q.device)) is not None:
         full = mask.mask if isinstance(mask, GappedMask) else mask
-        keys, values = (x if x.dtype == torch.float32 and x.stride(-1) == 1 else x.float().contiguous() for x in (k, v))
+        keys, values = (x if x.dtype in _ROW_KEY_DTYPES and x.stride(-1) == 1 else x.float().contiguous() for x in (k, v))
         out = ext.row_attention(
             q.float().contiguous(), keys, values, full.reshape(-1, t, k.shape[2]).contiguous(), q.shape[-1] ** -0.5
         )

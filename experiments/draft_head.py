@@ -1,0 +1,121 @@
+"""What the seeded drafter's head costs and buys: draft vocabulary size x head kernel bits.
+
+    python experiments/draft_head.py [N_PROMPTS] [--threads N]
+
+For each variant the shipped seeded stream (inference form: folded layers, q4-amx) is teacher-forced
+on the bundled model's own greedy answers to the first N MT-Bench prompts (q4-amx, what `m2r2 bench`
+verifies): at every answer position it is seeded with the true final slow state of the previous
+position and the true token, and its top-1 draft is compared with the model's next token (draft 1,
+as a tree's first level sees it). Also printed: how many answer tokens the draft vocabulary holds,
+the time of one draft level over 1 and 2 open nodes (minimum of interleaved repeats) and of a
+one-token step, on this machine.
+"""
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from m2r2.bench.datasets import shared_eval_dir
+from m2r2.decoding.base import GenerationConfig
+from m2r2.decoding.tree import Tree
+from m2r2.engine import Engine
+from m2r2.kernels import head_argmax, linear_like
+from m2r2.paths import shared_data
+from m2r2.training.vocab import build_from_files
+
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("prompts", nargs="?", type=int, default=10)
+parser.add_argument("--threads", type=int, default=1)
+parser.add_argument("--answers", default="runs/distill/answers-1920.jsonl", help="own answers the vocabulary counts")
+args = parser.parse_args()
+
+engine = Engine(threads=args.threads, quiet=True)
+model, tok = engine.model, engine.tokenizer
+drafter = engine.strategy("m2r2").drafter
+fast = drafter.fast
+rows = [json.loads(x) for x in (shared_eval_dir() / "mt_bench.jsonl").open()][: args.prompts]
+seqs = []
+for row in rows:
+    ids = tok.encode_chat([{"role": "user", "content": row["turns"][0]}])
+    out = engine.generate_ids(ids, "vanilla", GenerationConfig(max_new_tokens=96)).tokens
+    seqs.append((ids, out))
+answer_tokens = [t for _, a in seqs for t in a]
+
+train_prompts = shared_data("train") / "prompts.jsonl"
+
+
+def vocabulary(size: int) -> torch.Tensor:
+    """The ``size`` most frequent tokens, counted as `m2r2 draft-vocab` counts them."""
+    def encode(texts: list[str]) -> list[list[int]]:
+        return tok.hf(texts, add_special_tokens=False)["input_ids"]
+
+    return build_from_files(Path(args.answers), train_prompts, size, model.cfg.vocab_size, tok.eos_ids, encode)
+
+
+def set_head(vocab: torch.Tensor | None, bits: int) -> None:
+    """Point the drafter's head at ``vocab`` rows with the 8-bit head kernel or the layers' 4-bit one."""
+    fast.draft_vocab = vocab
+    template = model.lm_head if bits == 8 else model.layers[0].mlp.w2
+    fast.sub_head = linear_like(template, fast.head_weight().float())
+
+
+def agreement() -> float:
+    hits = total = 0
+    with torch.inference_mode():
+        for ids, ans in seqs:
+            full = ids + ans
+            cache = model.new_cache(len(full) + 8)
+            h = model.run_layers(model.embed_tokens(torch.tensor([full])), cache, 0)
+            for p in range(len(ids), len(full) - 1):  # verified 0..p-1, next token full[p], target full[p+1]
+                drafter.start(h[:, p - 1 : p], cache, p)
+                tree = Tree([full[p]], [-1], [0], [1.0])
+                top, _ = drafter.top(tree, [0], 1)
+                hits += int(top[0, 0]) == full[p + 1]
+                total += 1
+    return hits / total
+
+
+def timings() -> tuple[float, float, float]:
+    ctx = 200
+    cache = model.new_cache(ctx + 8)
+    h = torch.zeros(1, 1, model.cfg.hidden_size, dtype=model.dtype)
+    one = torch.ones(1, 1, dtype=torch.long)
+
+    def level(r: int) -> None:
+        drafter.start(h, cache, ctx)
+        drafter.top(Tree([1] * r, [-1] * r, [0] * r, [1.0] * r), list(range(r)), 2)
+
+    calls = [lambda: drafter.start(h, cache, ctx), lambda: level(1), lambda: level(2)]
+    calls.append(lambda: head_argmax(model, model.run_layers(model.embed_tokens(one), cache, ctx)))
+    best = [float("inf")] * len(calls)
+    with torch.inference_mode():
+        model(torch.arange(ctx)[None], cache, 0, last_only=True)
+        for _ in range(30):
+            for i, f in enumerate(calls):
+                t = time.perf_counter()
+                f()
+                best[i] = min(best[i], time.perf_counter() - t)
+    return best[1] - best[0], best[2] - best[0], best[3]
+
+
+shipped = fast.draft_vocab
+print(f"{len(seqs)} MT-Bench first turns, {len(answer_tokens)} answer tokens; {args.threads} thread(s)")
+print("| draft vocabulary | head | answer tokens inside | agree @1 | level, 1 node | 2 nodes | one-token step |")
+print("|---|---|--:|--:|--:|--:|--:|")
+for size in (None, 8192, 4096, 2048, 1024):
+    vocab = shipped if size is None else vocabulary(size)
+    inside = set(vocab.tolist())
+    cover = sum(t in inside for t in answer_tokens) / len(answer_tokens)
+    for bits in (8, 4):
+        set_head(vocab, bits)
+        a = agreement()
+        l1, l2, step = timings()
+        name = f"shipped ({len(vocab)})" if size is None else f"top {size}"
+        print(
+            f"| {name} | {bits}-bit | {cover:.3f} | {a:.3f} | {l1 * 1e3:.2f} ms ({l1 / step:.3f}) "
+            f"| {l2 * 1e3:.2f} ms ({l2 / step:.3f}) | {step * 1e3:.2f} ms |",
+            flush=True,
+        )
