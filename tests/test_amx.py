@@ -10,6 +10,7 @@ from m2r2 import amx
 from m2r2.errors import SettingsError
 from m2r2.kernels import AmxInt4Linear, AmxInt8Linear, Int4Linear, PackedLinear
 from m2r2.loading import load_model
+from m2r2.model import RMSNorm
 
 needs_amx = pytest.mark.skipif(not amx.available(), reason="no AMX / AVX512-BF16 CPU or no C++ compiler here")
 
@@ -194,3 +195,23 @@ def test_row_attention_batches_sequences_exactly() -> None:
     for b in range(3):
         alone = amx.extension().row_attention(q[b : b + 1], k[b : b + 1], v[b : b + 1], mask[b : b + 1], 0.125)
         assert torch.equal(out[b : b + 1], alone)
+
+
+@needs_ext
+def test_rms_norm_rows_alone_in_hf_order() -> None:
+    """The C++ RMSNorm follows HF Llama's bfloat16 order (float32 statistics, round, times the weight,
+    round) and a row's bits do not depend on the rows around it (verify passes, batched steps)."""
+    g = torch.Generator().manual_seed(10)
+    for d in (576, 80, 7):
+        x = (torch.randn(4, 3, d, generator=g) * 3).bfloat16()
+        w = torch.randn(d, generator=g).bfloat16()
+        out = amx.extension().rms_norm(x, w, 1e-5)
+        xf = x.float()
+        ref = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).bfloat16()
+        assert torch.allclose(out.float(), ref.float(), rtol=2**-7, atol=0)  # float32 sums may differ in order
+        for i in range(4):
+            assert torch.equal(amx.extension().rms_norm(x[i, 1:2].contiguous(), w, 1e-5), out[i, 1:2])
+    model_norm = RMSNorm(576, 1e-5).to(torch.bfloat16)
+    x = torch.randn(2, 5, 576, generator=g).bfloat16()
+    with torch.no_grad():
+        assert torch.equal(model_norm(x), amx.extension().rms_norm(x, model_norm.weight, 1e-5))

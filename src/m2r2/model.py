@@ -41,6 +41,14 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if x.dtype == torch.float32:  # reference mode: HF's exact order of operations
             return self.weight * F.rms_norm(x, (x.shape[-1],), None, self.eps)
+        if (
+            x.dtype == torch.bfloat16
+            and self.weight.dtype == torch.bfloat16
+            and x.device.type == "cpu"
+            and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
+            and (ext := amx.extension()) is not None
+        ):  # inference on a CPU: one C++ call (csrc/rms_norm.cpp), ~16 us less than torch's per call
+            return ext.rms_norm(x.contiguous(), self.weight, self.eps)
         # low precision: one fused kernel (it accumulates in float32 internally)
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 

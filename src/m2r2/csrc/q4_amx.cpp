@@ -200,10 +200,13 @@ bool usable() {
 
 // row_attention.cpp
 torch::Tensor row_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask, double scale);
+// rms_norm.cpp
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_linear", &linear<4>, "4-bit weight-only linear layer (AMX)");
   m.def("q8_linear", &linear<8>, "8-bit weight-only linear layer (AMX)");
   m.def("row_attention", &row_attention, "attention of a few rows, bits independent of the keys' layout");
+  m.def("rms_norm", &rms_norm, "RMSNorm of bfloat16 rows, each row alone");
   m.def("usable", &usable, "whether this CPU can run the kernels");
 }
