@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from m2r2 import amx
 from m2r2.errors import SettingsError
-from m2r2.kernels import AmxInt4Linear, AmxInt8Linear, Int4Linear, PackedLinear
+from m2r2.kernels import AmxInt4Linear, AmxInt8Linear, Int4Linear, PackedLinear, argmax_rows
 from m2r2.loading import load_model
 from m2r2.model import RMSNorm
 
@@ -215,3 +215,20 @@ def test_rms_norm_rows_alone_in_hf_order() -> None:
     x = torch.randn(2, 5, 576, generator=g).bfloat16()
     with torch.no_grad():
         assert torch.equal(model_norm(x), amx.extension().rms_norm(x, model_norm.weight, 1e-5))
+
+
+@needs_ext
+def test_argmax_rows_picks_what_torch_picks() -> None:
+    """First of equal maxima, the first NaN as the maximum, all -inf rows, partial chunks of 16."""
+    g = torch.Generator().manual_seed(11)
+    for v in (1, 7, 33, 49152):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(6, v, generator=g).to(dtype)
+            if v > 20:
+                x[1, 5] = x[1].max()
+                x[1, 17] = x[1, 5]
+                x[2, 3] = x[2, 9] = float("nan")
+                x[3] = float("-inf")
+                x[4] = 1.0
+            assert torch.equal(argmax_rows(x), x.argmax(-1))
+            assert torch.equal(argmax_rows(x[0]), x[0].argmax(-1))

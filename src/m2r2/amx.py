@@ -28,7 +28,7 @@ import torch
 from m2r2.machine import cpu_has
 from m2r2.paths import cache_root
 
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("q4_amx.cpp", "row_attention.cpp", "rms_norm.cpp")]
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("q4_amx.cpp", "row_attention.cpp", "rms_norm.cpp", "argmax.cpp")]
 FLAGS = [
     "-O3",
     "-mavx512f",

@@ -202,11 +202,14 @@ bool usable() {
 torch::Tensor row_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask, double scale);
 // rms_norm.cpp
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
+// argmax.cpp
+torch::Tensor argmax_rows(torch::Tensor x);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_linear", &linear<4>, "4-bit weight-only linear layer (AMX)");
   m.def("q8_linear", &linear<8>, "8-bit weight-only linear layer (AMX)");
   m.def("row_attention", &row_attention, "attention of a few rows, bits independent of the keys' layout");
   m.def("rms_norm", &rms_norm, "RMSNorm of bfloat16 rows, each row alone");
+  m.def("argmax_rows", &argmax_rows, "index of each row's maximum, as torch.argmax");
   m.def("usable", &usable, "whether this CPU can run the kernels");
 }

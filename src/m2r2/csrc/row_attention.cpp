@@ -76,6 +76,40 @@ inline __m512 sums16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_ps(r, u, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_ps(r, u, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+// Softmax-weighted values of GT query heads (their exponentials ``e``, GT rows of ``padded``): the sum
+// of exponentials and each output lane's sum run key by key in increasing position; the GT heads and
+// 4 chunks of 16 lanes run side by side (compile-time counts keep the accumulators in registers).
+template <int GT, typename KT>
+void weigh_values(const KT* vbase, int64_t vs, const int32_t* keys, int64_t n, int64_t D, const float* e,
+                  int64_t padded, float* orows, int64_t ostride) {
+  float total[GT];
+  for (int g = 0; g < GT; ++g) total[g] = 0.0f;
+  for (int64_t i = 0; i < n; ++i)
+    for (int g = 0; g < GT; ++g) total[g] += e[g * padded + i];
+  __m512 denom[GT];
+  for (int g = 0; g < GT; ++g) denom[g] = _mm512_set1_ps(n ? total[g] : 1.0f);
+  for (int64_t d0 = 0; d0 < D; d0 += 16 * VCHUNKS) {
+    __m512 acc[GT][VCHUNKS];
+    __mmask16 lm[VCHUNKS];
+    for (int c = 0; c < VCHUNKS; ++c) {
+      lm[c] = d0 + 16 * c < D ? lanes(d0 + 16 * c, D) : static_cast<__mmask16>(0);
+      for (int g = 0; g < GT; ++g) acc[g][c] = _mm512_setzero_ps();
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const KT* vrow = vbase + keys[i] * vs + d0;
+      __m512 vv[VCHUNKS];
+      for (int c = 0; c < VCHUNKS; ++c) vv[c] = load16(vrow + 16 * c, lm[c]);
+      for (int g = 0; g < GT; ++g) {
+        const __m512 p = _mm512_set1_ps(e[g * padded + i]);
+        for (int c = 0; c < VCHUNKS; ++c) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
+      }
+    }
+    for (int g = 0; g < GT; ++g)
+      for (int c = 0; c < VCHUNKS; ++c)
+        _mm512_mask_storeu_ps(orows + g * ostride + d0 + 16 * c, lm[c], _mm512_div_ps(acc[g][c], denom[g]));
+  }
+}
+
 // One (sequence, key head, row) item: scores, softmax and weighted values for its G query heads.
 // The arithmetic of every output is fixed by its allowed keys alone: a score is the sum over chunks
 // of 16 of q*k (fused multiply-adds in chunk order, then the tree of a horizontal sum), the
@@ -116,34 +150,11 @@ void attend_item(const float* qrows, int64_t qstride, const KT* kbase, int64_t k
     for (int64_t i = 0; i < padded; i += 16) _mm512_storeu_ps(sg + i, exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + i), mx)));
   }
   for (int64_t g0 = 0; g0 < G; g0 += G_TILE) {
-    const int64_t gt = std::min<int64_t>(G_TILE, G - g0);
-    __m512 denom[G_TILE];
-    for (int64_t g = 0; g < gt; ++g) {
-      const float* sg = s + (g0 + g) * padded;
-      float total = 0.0f;
-      for (int64_t i = 0; i < n; ++i) total += sg[i];
-      denom[g] = _mm512_set1_ps(n ? total : 1.0f);
-    }
-    for (int64_t d0 = 0; d0 < D; d0 += 16 * VCHUNKS) {
-      const int64_t chunks = std::min<int64_t>(VCHUNKS, (D - d0 + 15) / 16);
-      __m512 acc[G_TILE][VCHUNKS];
-      __mmask16 lm[VCHUNKS];
-      for (int64_t c = 0; c < chunks; ++c) {
-        lm[c] = lanes(d0 + 16 * c, D);
-        for (int64_t g = 0; g < gt; ++g) acc[g][c] = _mm512_setzero_ps();
-      }
-      for (int64_t i = 0; i < n; ++i) {
-        const KT* vrow = vbase + keys[i] * vs + d0;
-        __m512 vv[VCHUNKS];
-        for (int64_t c = 0; c < chunks; ++c) vv[c] = load16(vrow + 16 * c, lm[c]);
-        for (int64_t g = 0; g < gt; ++g) {
-          const __m512 p = _mm512_set1_ps(s[(g0 + g) * padded + i]);
-          for (int64_t c = 0; c < chunks; ++c) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
-        }
-      }
-      for (int64_t g = 0; g < gt; ++g)
-        for (int64_t c = 0; c < chunks; ++c)
-          _mm512_mask_storeu_ps(orows + (g0 + g) * ostride + d0 + 16 * c, lm[c], _mm512_div_ps(acc[g][c], denom[g]));
+    switch (std::min<int64_t>(G_TILE, G - g0)) {
+      case 1: weigh_values<1>(vbase, vs, keys, n, D, s + g0 * padded, padded, orows + g0 * ostride, ostride); break;
+      case 2: weigh_values<2>(vbase, vs, keys, n, D, s + g0 * padded, padded, orows + g0 * ostride, ostride); break;
+      case 3: weigh_values<3>(vbase, vs, keys, n, D, s + g0 * padded, padded, orows + g0 * ostride, ostride); break;
+      default: weigh_values<4>(vbase, vs, keys, n, D, s + g0 * padded, padded, orows + g0 * ostride, ostride);
     }
   }
 }

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from m2r2.errors import InputError, SettingsError
+from m2r2.kernels import argmax_rows
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -204,7 +205,7 @@ class Sampler:
     def __call__(self, logits: Tensor) -> int:
         """``logits``: ``[V]`` float32 for one position."""
         if self.rng is None:
-            return int(logits.argmax())
+            return int(argmax_rows(logits))
         return int(torch.multinomial(warp_probs(logits, self.gen), 1, generator=self.rng))
 
 

@@ -41,6 +41,7 @@ from m2r2.decoding.base import (
 from m2r2.decoding.costs import CostModel, cached_costs, cost_cache_path, measure_costs
 from m2r2.decoding.tree import SeededDrafter, TreeSpeculative, build_tree_speculative
 from m2r2.errors import SettingsError
+from m2r2.kernels import argmax_rows
 from m2r2.model import ROW_INVARIANT_MAX_ROWS, Transformer
 from m2r2.multirate.fast import DraftBlock, FastConfig, FastStream
 
@@ -207,7 +208,7 @@ class SelfSpeculative:
     ) -> tuple[int, int]:
         """Number of drafts kept and the slow model's next token after them."""
         if gen.greedy:
-            target = verify.argmax(-1).tolist()
+            target = argmax_rows(verify).tolist()
             n = 0
             while n < len(drafts) and drafts[n] == target[n]:
                 n += 1
