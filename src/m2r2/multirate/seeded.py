@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from m2r2.cache import KVCache
 from m2r2.errors import SettingsError
 from m2r2.kernels import dense_weight, linear_like, widen_logits
-from m2r2.model import Block, Transformer
+from m2r2.model import Block, Transformer, attend
 from m2r2.multirate.adapters import LayerAdapters
 from m2r2.multirate.arla import ARLA
 from m2r2.multirate.fast import merged_block
@@ -277,9 +277,7 @@ class SeededFastStream(DraftHead, nn.Module):
             if fast_kv is not None:
                 k, v = torch.cat([fast_kv[j][0], k], dim=2), torch.cat([fast_kv[j][1], v], dim=2)
             sk, sv = cache.view(layer, verified_len)
-            o = F.scaled_dot_product_attention(
-                q, torch.cat([sk, k], dim=2), torch.cat([sv, v], dim=2), attn_mask=mask, enable_gqa=True
-            )
+            o = attend(q, torch.cat([sk, k], dim=2), torch.cat([sv, v], dim=2), mask)  # C++ rows on a CPU
             a = f + blk.attn.out(o, lora)
             states.append(a + blk.mlp(blk.mlp_norm(a), lora, resid=a))
             new_kv.append((k, v))
