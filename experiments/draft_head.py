@@ -1,6 +1,6 @@
 """What the seeded drafter's head costs and buys: draft vocabulary size x head kernel bits.
 
-    python experiments/draft_head.py [N_PROMPTS] [--threads N]
+    python experiments/draft_head.py [N_PROMPTS] [--threads N] [--model NAME --answers OWN_ANSWERS.jsonl]
 
 For each variant the shipped seeded stream (inference form: folded layers, q4-amx) is teacher-forced
 on the bundled model's own greedy answers to the first N MT-Bench prompts (q4-amx, what `m2r2 bench`
@@ -30,9 +30,11 @@ parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("prompts", nargs="?", type=int, default=10)
 parser.add_argument("--threads", type=int, default=1)
 parser.add_argument("--answers", default="runs/distill/answers-1920.jsonl", help="own answers the vocabulary counts")
+parser.add_argument("--model", default=None, help="bundled model name (default: smollm2-135m)")
+parser.add_argument("--sizes", default="shipped,8192,4096,2048,1024", help="draft vocabularies to try")
 args = parser.parse_args()
 
-engine = Engine(threads=args.threads, quiet=True)
+engine = Engine(args.model, threads=args.threads, quiet=True)
 model, tok = engine.model, engine.tokenizer
 drafter = engine.strategy("m2r2").drafter
 fast = drafter.fast
@@ -49,6 +51,7 @@ train_prompts = shared_data("train") / "prompts.jsonl"
 
 def vocabulary(size: int) -> torch.Tensor:
     """The ``size`` most frequent tokens, counted as `m2r2 draft-vocab` counts them."""
+
     def encode(texts: list[str]) -> list[list[int]]:
         return tok.hf(texts, add_special_tokens=False)["input_ids"]
 
@@ -105,7 +108,7 @@ shipped = fast.draft_vocab
 print(f"{len(seqs)} MT-Bench first turns, {len(answer_tokens)} answer tokens; {args.threads} thread(s)")
 print("| draft vocabulary | head | answer tokens inside | agree @1 | level, 1 node | 2 nodes | one-token step |")
 print("|---|---|--:|--:|--:|--:|--:|")
-for size in (None, 8192, 4096, 2048, 1024):
+for size in [None if x == "shipped" else int(x) for x in args.sizes.split(",")]:
     vocab = shipped if size is None else vocabulary(size)
     inside = set(vocab.tolist())
     cover = sum(t in inside for t in answer_tokens) / len(answer_tokens)

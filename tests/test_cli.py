@@ -244,3 +244,44 @@ def test_draft_vocab_writes_a_checked_vocabulary(capsys, tiny_dir: Path, tmp_pat
     assert json.loads(out.with_suffix(".json").read_text())["steps"] == 3  # provenance carried over
     rc, stdout, err = run_cli(capsys, *argv, "--data", str(tmp_path / "missing.jsonl"), "--out", str(out))
     assert_one_line_error(rc, stdout, err, "distill-data")
+
+
+def test_draft_vocab_rewrites_medusa_and_eagle_heads(capsys, tiny_dir: Path, tmp_path: Path) -> None:
+    """Every tree drafter's file takes a draft vocabulary: Medusa heads and an EAGLE head too."""
+    from m2r2.decoding.eagle import EagleConfig, EagleHead, load_head, save_head
+    from m2r2.decoding.medusa import MedusaConfig, MedusaHeads, load_heads, save_heads
+    from m2r2.engine import Engine
+
+    engine = Engine(str(tiny_dir), dtype="fp32", quiet=True)
+    model, fp = engine.model, engine.fingerprint
+    data = tmp_path / "answers.jsonl"
+    data.write_text(json.dumps({"prompt_ids": [1], "answer_ids": [5, 5, 7, 9]}) + "\n")
+    files = {
+        "medusa": (
+            save_heads(
+                tmp_path / "m.safetensors",
+                MedusaHeads(model, MedusaConfig.build(model.cfg.hidden_size, 2)),
+                fp,
+                note="m",
+            ),
+            load_heads,
+        ),
+        "eagle": (
+            save_head(
+                tmp_path / "e.safetensors",
+                EagleHead(model, EagleConfig.build(model.cfg.num_layers, model.cfg.hidden_size)),
+                fp,
+                note="e",
+            ),
+            load_head,
+        ),
+    }
+    for name, (src, load) in files.items():
+        rc, _, err = run_cli(
+            capsys, "draft-vocab", "--model", str(tiny_dir), "--dtype", "fp32", "--adapters", str(src),
+            "--data", str(data), "--prompts", "", "--size", "4",
+        )  # fmt: skip
+        assert rc == 0, err
+        vocab = load(src, model, fp).draft_vocab.tolist()
+        assert len(vocab) == 4 and {5, 7, 9} <= set(vocab), name
+        assert json.loads(src.with_suffix(".json").read_text())["note"] == name[0]  # provenance carried over

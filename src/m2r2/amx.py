@@ -1,6 +1,7 @@
 """The C++ kernels (``csrc/``), built once per machine: the ``q4-amx`` linears
-(:class:`m2r2.kernels.AmxInt4Linear`, :class:`m2r2.kernels.AmxInt8Linear`) and the row attention
-(:func:`m2r2.model.row_kernel`).
+(:class:`m2r2.kernels.AmxInt4Linear`, :class:`m2r2.kernels.AmxInt8Linear`), the row attention
+(:func:`m2r2.model.row_kernel`), the bfloat16 RMSNorm (:class:`m2r2.model.RMSNorm`) and the greedy
+argmax (:func:`m2r2.kernels.argmax_rows`).
 
 Why C++: a verify pass runs a handful of rows through every layer, and torch's CPU 4-bit GEMM
 de-quantizes the weights again for every 4 rows (v(8) = 1.96 on the bundled model). The kernel in
@@ -28,7 +29,7 @@ import torch
 from m2r2.machine import cpu_has
 from m2r2.paths import cache_root
 
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("q4_amx.cpp", "row_attention.cpp", "rms_norm.cpp", "argmax.cpp")]
+SOURCES = sorted(Path(__file__).with_name("csrc").glob("*.cpp"))  # one extension: q4_amx.cpp binds them all
 FLAGS = [
     "-O3",
     "-mavx512f",

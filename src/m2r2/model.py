@@ -213,6 +213,10 @@ def row_kernel(dtype: torch.dtype, device: torch.device) -> ModuleType | None:
 _ROW_KEY_DTYPES = (torch.float32, torch.bfloat16)
 
 
+def _dense32(x: Tensor) -> Tensor:
+    return x.float().contiguous()
+
+
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | GappedMask | None) -> Tensor:
     """Scaled dot-product attention with grouped-query heads; ``mask`` is boolean (True = attend).
 
@@ -232,7 +236,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | GappedMask | None) ->
     gqa = k.shape[1] != h
     if mask is not None and t <= ROW_INVARIANT_MAX_ROWS and (ext := row_kernel(q.dtype, q.device)) is not None:
         full = mask.mask if isinstance(mask, GappedMask) else mask
-        keys, values = (x if x.dtype in _ROW_KEY_DTYPES and x.stride(-1) == 1 else x.float().contiguous() for x in (k, v))
+        keys, values = (x if x.dtype in _ROW_KEY_DTYPES and x.stride(-1) == 1 else _dense32(x) for x in (k, v))
         out = ext.row_attention(
             q.float().contiguous(), keys, values, full.reshape(-1, t, k.shape[2]).contiguous(), q.shape[-1] ** -0.5
         )

@@ -14,6 +14,7 @@ so a draft can end an answer. Evaluation prompts are never read (``refuse_eval``
 
 from __future__ import annotations
 
+import functools
 import json
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -107,25 +108,38 @@ def build_from_files(
 def write_draft_vocab(
     engine: Loaded, adapters: Path | None, data: Path, prompts: Path | None, size: int, out: Path | None = None
 ) -> tuple[Path, int]:
-    """``m2r2 draft-vocab``: store the ``size`` most frequent tokens in an adapter file (rewritten
-    atomically, or written to ``out``); returns the file and the vocabulary size kept."""
-    from m2r2.multirate.io import bundled_adapters, load_adapters, read_meta, save_adapters
+    """``m2r2 draft-vocab``: store the ``size`` most frequent tokens in a drafter's file (fast-stream
+    adapters, Medusa heads or an EAGLE head; rewritten atomically, or written to ``out``); returns
+    the file and the vocabulary size kept."""
+    from m2r2 import weightfile
+    from m2r2.decoding import eagle, medusa
+    from m2r2.multirate import io
 
-    src = adapters or bundled_adapters(engine.fingerprint, "prefix")
+    src = adapters or io.bundled_adapters(engine.fingerprint, "prefix")
     if src is None:
         raise InputError("no adapters ship for this base model; pass --adapters PATH")
-    stream = load_adapters(src, engine.model, engine.fingerprint)
+    src = Path(src)
+    model, fp = engine.model, engine.fingerprint
+    if medusa.is_heads_file(src):
+        drafter, kind = medusa.load_heads(src, model, fp), medusa.HEADS
+        save = functools.partial(medusa.save_heads, heads=drafter, fingerprint=fp)
+    elif eagle.is_head_file(src):
+        drafter, kind = eagle.load_head(src, model, fp), eagle.HEAD
+        save = functools.partial(eagle.save_head, head=drafter, fingerprint=fp)
+    else:
+        drafter, kind = io.load_adapters(src, model, fp), io.ADAPTERS
+        save = functools.partial(io.save_adapters, stream=drafter, fingerprint=fp)
     hf = engine.tokenizer.hf
 
     def encode(texts: list[str]) -> list[list[int]]:
         return hf(texts, add_special_tokens=False)["input_ids"]
 
-    vocab = engine.model.cfg.vocab_size
+    vocab = model.cfg.vocab_size
     size = min(size, vocab)
-    stream.draft_vocab = build_from_files(data, prompts, size, vocab, engine.tokenizer.eos_ids, encode)
-    written = ("format", "version", "config", "base_fingerprint", "weights_sha256", "dtype")  # save_adapters' own
-    info = {k: v for k, v in read_meta(src).items() if k not in written}
+    drafter.draft_vocab = build_from_files(data, prompts, size, vocab, engine.tokenizer.eos_ids, encode)
+    written = ("format", "version", "config", "base_fingerprint", "weights_sha256", "dtype")  # the saver's own
+    info = {k: v for k, v in weightfile.read_meta(src, kind).items() if k not in written}
     info["draft_vocab"] = {"size": size, "data": str(data), "prompts": str(prompts) if prompts else None}
     out = out or src
-    save_adapters(out, stream, engine.fingerprint, **info)
+    save(out, **info)
     return out.with_suffix(".safetensors"), size
