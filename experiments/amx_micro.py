@@ -4,9 +4,10 @@
 
 Layers: SmolLM2-135M's layer shapes (in x out) with random Q4_1-grid weights, ``q4`` (torch's int4
 kernel, :class:`Int4Linear`) against ``q4-amx`` (:class:`AmxInt4Linear`) at 1-16 rows. Attention:
-SmolLM2's heads (9 query over 3 key heads, 64 dims) over 300 keys, the C++ row attention against the
-float32 matmuls (:func:`m2r2.model._row_math`) for 1 and 4 rows. Output of the run quoted in
-BENCHMARKS.md ("Sixth round"): ``amx_micro.out.txt``.
+SmolLM2's heads (9 query over 3 key heads, 64 dims) over 300 keys of a 700-slot bfloat16 cache, the
+C++ row attention (reading the cache in place) against the float32 matmuls (:func:`m2r2.model._row_math`,
+given the filled slots widened to float32) for 1-16 rows. Output of the runs quoted in BENCHMARKS.md
+("Sixth round", "Seventh round"): ``amx_micro.out.txt``.
 """
 
 import statistics
@@ -48,15 +49,19 @@ for k, n in [(576, 960), (576, 576), (576, 3072), (1536, 576)]:
     print(f"layer {k}x{n} (q4/q4-amx us): " + ", ".join(cells))
 
 ext = amx.extension()
-s, prefix = 300, 280
-k_, v_ = torch.randn(1, 3, s, 64, generator=g), torch.randn(1, 3, s, 64, generator=g)
-for rows in (1, 4):
+# a decoding cache as the model keeps it: bfloat16, 700 slots, 300 of them filled
+slots, s, prefix = 700, 300, 280
+cache_k = torch.randn(1, 3, slots, 64, generator=g).to(torch.bfloat16)
+cache_v = torch.randn(1, 3, slots, 64, generator=g).to(torch.bfloat16)
+for rows in (1, 4, 8, 16):
     qh = torch.randn(1, 9, rows, 64, generator=g).to(torch.bfloat16)
-    mask = torch.arange(s)[None, :] <= torch.arange(prefix, prefix + rows)[:, None]
+    mask = torch.arange(slots)[None, :] <= torch.arange(prefix, prefix + rows)[:, None]
     t = median_us(
         {
-            "C++": lambda qh=qh, mask=mask: ext.row_attention(qh.float(), k_, v_, mask[None], 0.125),
-            "py": lambda qh=qh, mask=mask: _row_math(qh, k_, v_, mask, True),
+            "C++": lambda qh=qh, mask=mask: ext.row_attention(qh.float(), cache_k, cache_v, mask[None], 0.125),
+            "py": lambda qh=qh, mask=mask: _row_math(
+                qh, cache_k[:, :, :s].float(), cache_v[:, :, :s].float(), mask[:, :s], True
+            ),
         }
     )
     print(f"attention {rows} row(s), 300 keys: C++ {t['C++']:.0f} us, float32 matmuls {t['py']:.0f} us")
