@@ -30,6 +30,7 @@ from m2r2.machine import cpu_has
 from m2r2.paths import cache_root
 
 SOURCES = sorted(Path(__file__).with_name("csrc").glob("*.cpp"))  # one extension: q4_amx.cpp binds them all
+HEADERS = sorted(Path(__file__).with_name("csrc").glob("*.h"))  # included by the sources: part of the build key
 FLAGS = [
     "-O3",
     "-mavx512f",
@@ -54,7 +55,7 @@ def extension() -> ModuleType | None:
     """The compiled kernel module, or None where this machine cannot build or run it."""
     if os.environ.get(DISABLE_ENV) == "1" or not all(cpu_has(f) for f in CPU_FLAGS):
         return None
-    text = b"".join(src.read_bytes() for src in SOURCES)
+    text = b"".join(src.read_bytes() for src in [*SOURCES, *HEADERS])
     key = hashlib.sha256(text + torch.__version__.encode() + " ".join(FLAGS + LDFLAGS).encode()).hexdigest()[:12]
     build = cache_root() / "ext" / f"q4_amx-{key}"
     try:

@@ -9,14 +9,14 @@
 #include <immintrin.h>
 #include <torch/extension.h>
 
+#include "simd.h"
+
 #include <cmath>
 
 namespace {
 
-inline __m512 load_row(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 load_row(const at::BFloat16* p, __mmask16 m) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
+using m2r2::lanes;
+using m2r2::load16;
 
 template <typename T>
 int64_t argmax_row(const T* row, int64_t V) {
@@ -24,16 +24,16 @@ int64_t argmax_row(const T* row, int64_t V) {
   __mmask16 nan = 0;
   int64_t j = 0;
   for (; j < V && !nan; j += 16) {
-    const __mmask16 m = V - j >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (V - j)) - 1);
-    const __m512 x = load_row(row + j, m);
+    const __mmask16 m = lanes(j, V);
+    const __m512 x = load16(row + j, m);
     nan = _mm512_mask_cmp_ps_mask(m, x, x, _CMP_UNORD_Q);
     mx = _mm512_mask_max_ps(mx, m, mx, x);
   }
   if (nan) return j - 16 + __builtin_ctz(nan);  // the first NaN (torch treats NaN as the maximum)
   const __m512 best = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
   for (j = 0; j < V; j += 16) {
-    const __mmask16 m = V - j >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (V - j)) - 1);
-    const __mmask16 hit = _mm512_mask_cmp_ps_mask(m, load_row(row + j, m), best, _CMP_EQ_OQ);
+    const __mmask16 m = lanes(j, V);
+    const __mmask16 hit = _mm512_mask_cmp_ps_mask(m, load16(row + j, m), best, _CMP_EQ_OQ);
     if (hit) return j + __builtin_ctz(hit);
   }
   return 0;  // not reached: the maximum is in the row (an empty row returns 0)
