@@ -20,6 +20,7 @@ from m2r2.model import Transformer
 from m2r2.multirate.fast import FastConfig, FastStream
 
 LAYERS = 4
+PREFIX_ADAPTERS = Path(__file__).parents[1] / "src/m2r2/adapters/smollm2-135m.safetensors"
 
 
 def tiny(seed: int, dtype: torch.dtype = torch.float32, layers: int = LAYERS) -> Transformer:
@@ -307,6 +308,43 @@ def test_engine_options_are_checked(tiny_model) -> None:
     assert engine.generate_ids(ids, "calm", GenerationConfig(max_new_tokens=8), threshold=2.0).tokens == ref
 
 
+# --------------------------------------------------------------------------- seeded-stream exits (token trees)
+
+
+@pytest.mark.parametrize(("seed", "noise", "threshold"), [(1, 0.0, 0.6), (2, 0.3, 0.3), (4, 0.5, 0.0), (5, 1.0, 0.0)])
+def test_seeded_exits_keep_confident_drafts_and_the_full_model_supplies_every_other_token(seed, noise, threshold):
+    """Lossy tree verification: teacher-forcing the output through the full model, a token differs
+    from the full model's choice exactly where a draft was kept on its own confidence (``overrides``);
+    the cache is exactly a full pass over the output; threshold >= 1 is plain greedy."""
+    from tests.test_tree import seeded_stream
+
+    from m2r2.decoding.tree import TreeSpeculative
+
+    model = tiny(seed)
+    fast = seeded_stream(model, 1, noise, seed, fold=True)
+    ids = prompt(seed, 9)
+    gen = GenerationConfig(max_new_tokens=40)
+    assert TreeSpeculative("m2r2-dynamic", model, fast, [], exit_threshold=1.0).generate(ids, gen).tokens == greedy(
+        model, ids, 40
+    )
+    strat = TreeSpeculative("m2r2-dynamic", model, fast, [], max_nodes=6, exit_threshold=threshold)
+    out = strat.generate(ids, gen)
+    seq = ids + out.tokens
+    with torch.no_grad():
+        choice = model(torch.tensor([seq[:-1]]), model.new_cache(len(seq) + 8), 0)[0, len(ids) - 1 :].argmax(-1)
+    differ = sum(int(a != b) for a, b in zip(choice.tolist(), out.tokens, strict=True))
+    assert differ == round(out.stats["overrides_per_token"] * len(out.tokens))
+    assert out.stats["exits"] > 0 and 0 <= out.stats["exit_precision"] <= 1
+    if noise >= 0.5:
+        assert differ > 0  # noisy drafts disagree, and every one at or above the threshold is kept
+    fresh = model.new_cache(strat.last_cache.max_len)
+    n = len(seq) - 1
+    model(torch.tensor([seq[:-1]]), fresh, 0)
+    assert torch.allclose(strat.last_cache.k[:, :, :, :n], fresh.k[:, :, :, :n], atol=1e-5)
+    with pytest.raises(SettingsError, match="greedily"):
+        strat.generate(ids, GenerationConfig(max_new_tokens=4, temperature=0.7))
+
+
 # --------------------------------------------------------------------------- real model
 
 
@@ -316,9 +354,15 @@ def test_real_model_bf16_threshold_one_is_plain_greedy(real_engine_bf16) -> None
     for text in ("Name three colors.", "Write a haiku about the sea."):
         ids = engine.tokenizer.encode_chat([{"role": "user", "content": text}])
         ref = engine.generate_ids(ids, "vanilla", gen).tokens
-        assert engine.generate_ids(ids, "m2r2-dynamic", gen, threshold=1.0).tokens == ref
-        low = engine.generate_ids(ids, "m2r2-dynamic", gen, threshold=0.0)
+        prefix = str(PREFIX_ADAPTERS)
+        for adapters in (None, prefix):  # the shipped seeded stream (token trees), the prefix stream's layers
+            assert engine.generate_ids(ids, "m2r2-dynamic", gen, threshold=1.0, adapters=adapters).tokens == ref
+        low = engine.generate_ids(ids, "m2r2-dynamic", gen, threshold=0.0, adapters=prefix)
         assert low.stats["exit_rate"] > 0.5 and low.stats["mean_exit_layer"] == 10
+        low = engine.generate_ids(ids, "m2r2-dynamic", gen, threshold=0.0)
+        assert low.stats["exit_rate"] > 0.5 and low.stats["exits"] > 0
+    with pytest.raises(SettingsError, match=r"prefix adapters only.*backoff"):
+        engine.strategy("m2r2-dynamic", backoff=2)
 
 
 # --------------------------------------------------------------------------- the suite

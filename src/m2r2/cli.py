@@ -528,8 +528,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--threshold",
         type=float,
         default=None,
-        help="exit threshold of a lossy dynamic-compute method (m2r2-dynamic: ARLA probability, calm: "
-        "confidence); lower = faster and further from the full model; >= 1 never exits",
+        help="exit threshold of a lossy dynamic-compute method (m2r2-dynamic: the seeded fast stream's "
+        "draft probability, or ARLA's with prefix adapters; calm: confidence); lower = faster and further "
+        "from the full model; >= 1 never exits",
     )
     g.add_argument("--no-stream", action="store_true", help="print the answer at the end instead of streaming")
     _add_gen_args(g)

@@ -1,8 +1,10 @@
 """Dynamic compute (lossy, tunable): tokens that look easy exit early and are completed later.
 
 One loop, :class:`PendingDecoder`, serves every method; a method is only an *exit rule*. Here:
-``m2r2-dynamic``, where the M2R2 fast stream runs layer by layer and ARLA decides the exit; the
-distance-based baselines (static, CALM, SkipDecode) are in :mod:`m2r2.decoding.exits`.
+``m2r2-dynamic`` with prefix adapters, where the M2R2 fast stream runs layer by layer and ARLA decides
+the exit; the distance-based baselines (static, CALM, SkipDecode) are in :mod:`m2r2.decoding.exits`.
+With seeded adapters (the shipped default) ``m2r2-dynamic`` is instead the token-tree loop of
+:mod:`m2r2.decoding.tree` with lossy exits, where the verify pass completes the exited tokens.
 
 A token that exits has no slow K/V: it stays *pending* until the next token that does not exit
 runs one slow pass over ``[pending..., token]``, which leaves the cache exactly as a full pass
@@ -35,6 +37,7 @@ from m2r2.multirate.fast import FastStream, fast_layer
 
 if TYPE_CHECKING:
     from m2r2.decoding.base import Loaded
+    from m2r2.decoding.tree import TreeSpeculative
 
 #: A completion pass holds max_pending + 1 rows; beyond the row-invariant limit it is not bit-exact.
 MAX_PENDING_LIMIT = ROW_INVARIANT_MAX_ROWS - 1
@@ -342,21 +345,37 @@ class FastStreamExit(PendingDecoder):
 
 @register(
     "m2r2-dynamic",
-    "M2R2 dynamic compute (lossy): exit at the fast stream when ARLA >= threshold; options threshold, exits, "
-    "max_pending, backoff (skip up to this many probes after probes that did not exit), adapters",
+    "M2R2 dynamic compute (lossy): a draft exits at the fast stream when its confidence >= threshold "
+    "(seeded adapters: draft probability, token trees; prefix adapters: ARLA, layer by layer); options "
+    "threshold, adapters; prefix adapters also exits, max_pending, backoff",
 )
 def _m2r2_dynamic(
     engine: Loaded,
     threshold: float = 0.8,
-    exits: Any = None,
-    max_pending: int = 16,
     adapters: str | None = None,
-    backoff: int = 0,
-) -> FastStreamExit:
-    from m2r2.multirate.io import load_default
+    exits: Any = None,
+    max_pending: int | None = None,
+    backoff: int | None = None,
+) -> FastStreamExit | TreeSpeculative:
+    """Seeded adapters (the shipped default where they exist): the tree loop of ``m2r2`` with its
+    settings, where a draft whose own probability reaches ``threshold`` is kept even if the verify
+    pass disagrees (it exits at the fast stream; the pass that completes its slow K/V verifies the
+    drafts below it). Prefix adapters: :class:`FastStreamExit`. Why: docs/DYNAMIC.md."""
+    from m2r2.decoding.tree import SeededDrafter, build_tree_speculative
+    from m2r2.multirate.io import bundled_adapters, load_default
+    from m2r2.multirate.seeded import SeededFastStream
 
     check_threshold(threshold)  # before loading anything
-    fast = load_default(engine.model, engine.fingerprint, Path(adapters) if adapters else None)
-    fast.to(engine.model.device).freeze(merge=True)
+    path = Path(adapters) if adapters else bundled_adapters(engine.fingerprint, "seeded")
+    fast = load_default(engine.model, engine.fingerprint, path)
     tok = engine.tokenizer
-    return FastStreamExit(engine.model, fast, tok.eos_ids, tok.decode, threshold, exits, max_pending, backoff)
+    if isinstance(fast, SeededFastStream):
+        prefix_only = {"exits": exits, "max_pending": max_pending, "backoff": backoff}
+        given = [k for k, v in prefix_only.items() if v is not None]
+        if given:
+            raise SettingsError(f"m2r2-dynamic options for prefix adapters only (these are seeded): {', '.join(given)}")
+        drafter = SeededDrafter(fast.to(engine.model.device).freeze(merge=True))
+        return build_tree_speculative("m2r2-dynamic", engine, drafter, lookup=6, exit_threshold=threshold)
+    fast.to(engine.model.device).freeze(merge=True)
+    pending = 16 if max_pending is None else max_pending
+    return FastStreamExit(engine.model, fast, tok.eos_ids, tok.decode, threshold, exits, pending, backoff or 0)

@@ -26,6 +26,7 @@ chain (width 1, branch 1) verified by standard speculative sampling, which is ex
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import dataclass, field
@@ -85,6 +86,11 @@ class Tree:
         """Chance that node ``r`` is accepted: its calibrated draft path probability, or as a copy."""
         return max(min(1.0, calib * self.scores[r]), self.copy_probs.get(r, 0.0))
 
+    def own(self, r: int) -> float:
+        """Node ``r``'s own draft probability given its parent (0 for a prompt-lookup copy)."""
+        parent = self.scores[self.parents[r]]
+        return self.scores[r] / parent if parent > 0 else 0.0
+
     def add_copies(self, tokens: list[int], probs: list[float]) -> None:
         """Merge prompt lookup's chain under the root: shared prefixes reuse drafted nodes."""
         r = 0
@@ -131,6 +137,9 @@ class TreeState:
     context: NgramIndex | None = None  # prompt lookup: every token before the round's root
     copies: LookupStats = field(default_factory=LookupStats)
     copied_accepted: int = 0
+    exits: int = 0  # lossy exits (``exit_threshold``): drafts accepted on the fast stream's confidence
+    exits_agreed: int = 0  # ... whose token the full model would have chosen too
+    overrides: int = 0  # ... accepted although the full model chose another token
 
 
 class TreeDrafter(Protocol):
@@ -214,6 +223,7 @@ class TreeSpeculative:
         branch: int = 2,
         costs: TreeCosts | None = None,
         lookup: int = 0,
+        exit_threshold: float | None = None,
     ) -> None:
         limit = min(CACHE_SLACK, ROW_INVARIANT_MAX_ROWS) - 1
         if not 1 <= max_nodes <= limit:
@@ -228,6 +238,9 @@ class TreeSpeculative:
         self.name, self.model, self.drafter, self.eos_ids, self.decode = name, model, drafter, eos_ids, decode
         self.max_nodes, self.max_depth, self.width, self.branch = max_nodes, max_depth, width, branch
         self.costs, self.lookup = costs, lookup
+        #: lossy dynamic compute (``m2r2-dynamic``): a draft whose own probability reaches this exits at the
+        #: fast stream (is kept even where the full model disagrees); None or >= 1: lossless
+        self.exit_threshold = exit_threshold if exit_threshold is not None and exit_threshold < 1 else None
         self.last_cache: KVCache | None = None
 
     # ---- drafting -------------------------------------------------------------------------------
@@ -309,6 +322,8 @@ class TreeSpeculative:
     def generate(
         self, prompt: list[int], gen: GenerationConfig, stream: StreamCallback | None = None
     ) -> GenerationResult:
+        if self.exit_threshold is not None and not gen.greedy:
+            raise SettingsError(f"{self.name} decodes greedily only (temperature 0); it is lossy by design")
         model = self.model
         hidden: list[Tensor] = []
         t0, stopper, cache, logits = begin(model, prompt, gen, self.eos_ids, self.decode, hidden)  # type: ignore[arg-type]
@@ -343,6 +358,16 @@ class TreeSpeculative:
                 "verify_passes_per_token": passes / ntok,
                 "copied_accepted_per_token": state.copied_accepted / ntok,
                 "draft_layers_per_token": state.draft_steps * self.drafter.layers_per_level / ntok,
+                **(
+                    {  # as the pending-completion exits report them (m2r2.decoding.dynamic)
+                        "exit_rate": state.exits / ntok,
+                        "exits": state.exits,
+                        "overrides_per_token": state.overrides / ntok,
+                        "exit_precision": state.exits_agreed / state.exits if state.exits else None,
+                    }
+                    if self.exit_threshold is not None
+                    else {}
+                ),
                 "layers_per_token": (passes * n_layers + state.draft_steps * self.drafter.layers_per_level) / ntok,
                 **(
                     {
@@ -403,8 +428,10 @@ class TreeSpeculative:
             mask = torch.cat([torch.ones(n_rows, verified, dtype=torch.bool), vis], dim=1).to(model.device)
             h = model.run_layers(model.embed_tokens(ids), cache, verified, positions=positions, mask=mask)
         out = head_argmax(model, h)[0] if gen.greedy else model.head(h)[0]
-        path, nxt = self._accept(tree, rows, out, gen, sampler)
+        path, nxt = self._accept(tree, rows, out, gen, sampler, self.exit_threshold)
         n = len(path) - 1
+        if self.exit_threshold is not None:
+            self._count_exits(state, tree, rows, path, out)
         offered = [r for r in tree.copy_probs if r in rows]
         if offered:  # the copied chain's rows are a prefix of it (ancestor-closed); count its depths
             state.copies.record(len(offered), sum(1 for r in offered if r in path))
@@ -428,6 +455,17 @@ class TreeSpeculative:
         state.h_last = h[:, rows.index(path[-1])][:, None]
         self._account(state, time.perf_counter() - started, n, n_rows, steps)
         return [*[tree.tokens[r] for r in path[1:]], nxt], n, n_rows - 1, accept_rate
+
+    def _count_exits(self, state: TreeState, tree: Tree, rows: list[int], path: list[int], out: Tensor) -> None:
+        """Exits on ``path``: drafts at or above the threshold, and whether the full model agreed."""
+        assert self.exit_threshold is not None
+        target = out.tolist()
+        for parent, r in itertools.pairwise(path):
+            agreed = tree.tokens[r] == target[rows.index(parent)]
+            if tree.own(r) >= self.exit_threshold:
+                state.exits += 1
+                state.exits_agreed += agreed
+            state.overrides += not agreed
 
     def _account(self, state: TreeState, seconds: float, gained: int, n_rows: int, steps: int) -> None:
         """What this round gained (tokens beyond the one a plain step gives) and cost (in plain rounds),
@@ -496,11 +534,19 @@ class TreeSpeculative:
 
     @staticmethod
     def _accept(
-        tree: Tree, rows: list[int], out: Tensor, gen: GenerationConfig, sampler: Sampler
+        tree: Tree,
+        rows: list[int],
+        out: Tensor,
+        gen: GenerationConfig,
+        sampler: Sampler,
+        exit_threshold: float | None = None,
     ) -> tuple[list[int], int]:
         """Accepted path (tree nodes from the root) and the slow model's token after it.
 
-        ``out``: per verify row, the greedy token (greedy) or the logits (sampling).
+        ``out``: per verify row, the greedy token (greedy) or the logits (sampling). With an
+        ``exit_threshold`` (greedy only), where no child matches the full model's token, the most
+        probable child whose own draft probability reaches it is accepted all the same (a lossy exit);
+        the rows below it were computed on it, so the full model's tokens there still hold.
         """
         index = {r: i for i, r in enumerate(rows)}
         children: dict[int, list[int]] = {}
@@ -511,7 +557,11 @@ class TreeSpeculative:
             target = out.tolist()
             while True:
                 want = target[index[path[-1]]]
-                nxt = next((c for c in children.get(path[-1], []) if tree.tokens[c] == want), None)
+                kids = children.get(path[-1], [])
+                nxt = next((c for c in kids if tree.tokens[c] == want), None)
+                if nxt is None and exit_threshold is not None and kids:
+                    best = max(kids, key=tree.own)
+                    nxt = best if tree.own(best) >= exit_threshold else None
                 if nxt is None:
                     return path, int(want)
                 path.append(nxt)
@@ -593,10 +643,12 @@ def build_tree_speculative(
     width: int = 2,
     branch: int = 2,
     lookup: int = 0,
+    exit_threshold: float | None = None,
 ) -> TreeSpeculative:
     """A :class:`TreeSpeculative` drafting with ``drafter`` (in its inference form) and measured costs
     (``adaptive``; kept per machine and drafter shape in ``$M2R2_CACHE/costs`` for a day when ``cost_cache``),
-    plus up to ``lookup`` tokens of prompt lookup per round (0 = off; :mod:`m2r2.decoding.lookup`)."""
+    plus up to ``lookup`` tokens of prompt lookup per round (0 = off; :mod:`m2r2.decoding.lookup`), lossy
+    exits at ``exit_threshold`` (None = lossless)."""
     model = engine.model
     costs = None
     if adaptive:
@@ -608,5 +660,5 @@ def build_tree_speculative(
         path = path.with_name(f"tree-{path.name}")
         costs = cached_costs(path, measure, _tree_costs) if cost_cache else measure()
     tok = engine.tokenizer
-    tree = (max_nodes, max_depth, width, branch, costs, lookup)
+    tree = (max_nodes, max_depth, width, branch, costs, lookup, exit_threshold)
     return TreeSpeculative(name, model, drafter, tok.eos_ids, tok.decode, *tree)
