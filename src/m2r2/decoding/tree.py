@@ -428,9 +428,10 @@ class TreeSpeculative:
             mask = torch.cat([torch.ones(n_rows, verified, dtype=torch.bool), vis], dim=1).to(model.device)
             h = model.run_layers(model.embed_tokens(ids), cache, verified, positions=positions, mask=mask)
         out = head_argmax(model, h)[0] if gen.greedy else model.head(h)[0]
-        path, nxt = self._accept(tree, rows, out, gen, sampler, self.exit_threshold)
+        lossy = self.exit_threshold if gen.greedy else None  # sampled requests (the server's) stay exact
+        path, nxt = self._accept(tree, rows, out, gen, sampler, lossy)
         n = len(path) - 1
-        if self.exit_threshold is not None:
+        if lossy is not None:
             self._count_exits(state, tree, rows, path, out)
         offered = [r for r in tree.copy_probs if r in rows]
         if offered:  # the copied chain's rows are a prefix of it (ancestor-closed); count its depths
