@@ -21,7 +21,9 @@ behind the prefix (:meth:`KVCache.keep`), and the slow state of its last node se
 
 Greedy output is token-for-token the plain greedy output: a node is accepted only where it equals
 the slow argmax, and the slow model supplies the token after the path. With sampling the draft is a
-chain (width 1, branch 1) verified by standard speculative sampling, which is exact.
+chain (width 1, branch 1) verified by standard speculative sampling, which is exact. With an
+``exit_threshold`` (``m2r2-dynamic``, greedy, lossy on purpose) a draft confident enough is kept even
+where the full model disagrees: docs/DYNAMIC.md.
 """
 
 from __future__ import annotations
@@ -208,7 +210,7 @@ class SeededDrafter:
 
 class TreeSpeculative:
     """Lossless speculative decoding drafting token trees with a :class:`TreeDrafter` (a
-    :class:`SeededFastStream` is drafted with :class:`SeededDrafter`)."""
+    :class:`SeededFastStream` is drafted with :class:`SeededDrafter`); lossy exits with ``exit_threshold``."""
 
     def __init__(
         self,
