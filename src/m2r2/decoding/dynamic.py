@@ -361,6 +361,7 @@ def _m2r2_dynamic(
     settings, where a draft whose own probability reaches ``threshold`` is kept even if the verify
     pass disagrees (it exits at the fast stream; the pass that completes its slow K/V verifies the
     drafts below it). Prefix adapters: :class:`FastStreamExit`. Why: docs/DYNAMIC.md."""
+    from m2r2.decoding.lookup import DEFAULT_LOOKUP
     from m2r2.decoding.tree import SeededDrafter, build_tree_speculative
     from m2r2.multirate.io import bundled_adapters, load_default
     from m2r2.multirate.seeded import SeededFastStream
@@ -368,14 +369,14 @@ def _m2r2_dynamic(
     check_threshold(threshold)  # before loading anything
     path = Path(adapters) if adapters else bundled_adapters(engine.fingerprint, "seeded")
     fast = load_default(engine.model, engine.fingerprint, path)
-    tok = engine.tokenizer
-    if isinstance(fast, SeededFastStream):
-        prefix_only = {"exits": exits, "max_pending": max_pending, "backoff": backoff}
-        given = [k for k, v in prefix_only.items() if v is not None]
-        if given:
-            raise SettingsError(f"m2r2-dynamic options for prefix adapters only (these are seeded): {', '.join(given)}")
-        drafter = SeededDrafter(fast.to(engine.model.device).freeze(merge=True))
-        return build_tree_speculative("m2r2-dynamic", engine, drafter, lookup=6, exit_threshold=threshold)
+    seeded = isinstance(fast, SeededFastStream)
+    given = [k for k, v in {"exits": exits, "max_pending": max_pending, "backoff": backoff}.items() if v is not None]
+    if seeded and given:
+        raise SettingsError(f"m2r2-dynamic options for prefix adapters only (these are seeded): {', '.join(given)}")
     fast.to(engine.model.device).freeze(merge=True)
+    if seeded:
+        drafter = SeededDrafter(fast)
+        return build_tree_speculative("m2r2-dynamic", engine, drafter, lookup=DEFAULT_LOOKUP, exit_threshold=threshold)
+    tok = engine.tokenizer
     pending = 16 if max_pending is None else max_pending
     return FastStreamExit(engine.model, fast, tok.eos_ids, tok.decode, threshold, exits, pending, backoff or 0)

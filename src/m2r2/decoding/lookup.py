@@ -16,6 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+#: Copied tokens per round that the tree drafters (``m2r2``, ``m2r2-dynamic``, ``medusa``, ``eagle``)
+#: offer by default (``lookup=0`` turns it off).
+DEFAULT_LOOKUP = 6
+
 
 class NgramIndex:
     """The token context, indexed so that a proposal costs a few dict lookups whatever its length: for

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from m2r2 import weightfile
 from m2r2.decoding import register
+from m2r2.decoding.lookup import DEFAULT_LOOKUP
 from m2r2.decoding.tree import Tree, TreeSpeculative, build_tree_speculative
 from m2r2.errors import SettingsError, WeightsError
 from m2r2.model import Transformer
@@ -168,7 +169,7 @@ def _medusa(
     max_depth: int = 5,
     width: int = 2,
     branch: int = 2,
-    lookup: int = 6,
+    lookup: int = DEFAULT_LOOKUP,
 ) -> TreeSpeculative:
     """The same tree verifier and settings as ``m2r2``; only the drafter differs."""
     path = heads_path(engine.fingerprint, Path(adapters) if adapters else None)

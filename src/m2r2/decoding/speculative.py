@@ -39,6 +39,7 @@ from m2r2.decoding.base import (
     warp_probs,
 )
 from m2r2.decoding.costs import CostModel, cached_costs, cost_cache_path, measure_costs
+from m2r2.decoding.lookup import DEFAULT_LOOKUP
 from m2r2.decoding.tree import SeededDrafter, TreeSpeculative, build_tree_speculative
 from m2r2.errors import SettingsError
 from m2r2.kernels import argmax_rows
@@ -312,7 +313,7 @@ def _m2r2(
     max_depth: int = 5,
     width: int = 2,
     branch: int = 2,
-    lookup: int = 6,
+    lookup: int = DEFAULT_LOOKUP,
 ) -> SelfSpeculative | TreeSpeculative:
     """Seeded adapters (the shipped default where they exist) draft token trees; prefix adapters draft chains."""
     from m2r2.multirate.io import bundled_adapters, load_default
