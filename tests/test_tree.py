@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -17,9 +18,14 @@ from m2r2.errors import InputError, SettingsError, WeightsError
 from m2r2.multirate.seeded import SeededConfig, SeededFastStream
 
 
-def seeded_stream(model, depth: int, noise: float, seed: int, fold: bool, vocab: list[int] | None = None):
-    """A seeded fast stream over the last ``depth`` layers; ``noise`` perturbs fuse and adapters."""
-    fast = SeededFastStream(model, SeededConfig.build(model.cfg.num_layers, depth=depth, rank=4))
+def seeded_stream(
+    model, depth: int, noise: float, seed: int, fold: bool, vocab: list[int] | None = None, gated: bool = False
+):
+    """A seeded fast stream over the last ``depth`` layers; ``noise`` perturbs fuse, adapters and (``gated``:
+    the first fast layer is a grown one) its gates."""
+    n = model.cfg.num_layers
+    cfg = SeededConfig.build(n, depth=depth, rank=4, gated=[n - depth] if gated else None)
+    fast = SeededFastStream(model, cfg)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in fast.parameters():
@@ -39,6 +45,8 @@ CASES = [
     (6, 2, 0.3, 3, 1, 2, torch.bfloat16),
     (7, 1, 0.0, 16, 4, 4, torch.bfloat16),
     (8, 2, 0.02, 5, 2, 1, torch.float32),
+    (9, 2, 0.1, 8, 2, 2, torch.float32),  # seeds >= 9: a grown stream, its gates folded (odd) or not
+    (10, 3, 0.1, 6, 2, 2, torch.bfloat16),
 ]
 
 
@@ -50,7 +58,7 @@ def test_greedy_tree_speculation_equals_plain_greedy(seed, depth, noise, nodes, 
     model = tiny_model(seed, dtype=dtype)
     fold = seed % 2 == 1
     vocab = rng.sample(range(64), 40) if fold else None
-    fast = seeded_stream(model, depth, noise, seed, fold, vocab)
+    fast = seeded_stream(model, depth, noise, seed, fold, vocab, gated=seed >= 9)
     strat = TreeSpeculative("m2r2", model, fast, [], None, nodes, rng.randint(1, 6), width, branch, lookup=lookup)
     passes = 0
     for _ in range(3):
@@ -228,6 +236,40 @@ def test_adapter_file_round_trip_and_refusals(tmp_path):
         load_adapters(path, model, "fp-1")
 
 
+def test_a_grown_stream_starts_at_its_shallower_stream_and_folds_its_gates(tmp_path):
+    """Growing a trained one-layer stream by a gated layer changes no draft until the gates open; open,
+    the folded form (gates scaled into the output projections) drafts what the unfolded one does."""
+    from m2r2.multirate.io import load_adapters, save_adapters
+
+    model = tiny_model(23, layers=4)
+    one = seeded_stream(model, 1, 0.1, 23, fold=False)
+    two = SeededFastStream(model, SeededConfig.build(4, depth=2, rank=4, gated=[2]))
+    two.adopt(one)
+    tokens = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(1))
+    cache = model.new_cache(12)
+    hidden = model.run_layers(model.embed_tokens(tokens), cache, 0)
+    a = one.forward_chain(tokens, hidden, cache.k[[3]], cache.v[[3]], steps=3)
+    b = two.forward_chain(tokens, hidden, cache.k[[2, 3]], cache.v[[2, 3]], steps=3)
+    for s in range(3):
+        assert torch.equal(a[s][-1], b[s][-1])
+    with torch.no_grad():
+        two.gates["2"].normal_(0, 0.05, generator=torch.Generator().manual_seed(2))
+    cache.length = 6
+    args = (hidden[:, 5:6], tokens[:, 6:7], torch.tensor([6]), cache, 6, None, torch.ones(1, 1, dtype=torch.bool))
+    unfolded = two.freeze(merge=False).step(*args)[0][-1]
+    folded = two.freeze(merge=True).step(*args)[0][-1]
+    assert torch.allclose(unfolded, folded, atol=1e-5)
+    assert not torch.allclose(unfolded, one.step(*args)[0][-1], atol=1e-3)
+    back = load_adapters(save_adapters(tmp_path / "g.safetensors", two.freeze(False), "fp", torch.float32), model, "fp")
+    assert back.cfg.gated == [2] and torch.equal(back.gates["2"], two.gates["2"])
+    with pytest.raises(SettingsError, match="cannot start"):
+        SeededFastStream(model, SeededConfig.build(4, depth=2, rank=8, gated=[2])).adopt(one)
+    with pytest.raises(SettingsError, match="cannot start"):  # the new layer must be gated
+        SeededFastStream(model, SeededConfig.build(4, depth=2, rank=4)).adopt(one)
+    with pytest.raises(SettingsError, match="gated layers"):
+        SeededConfig.build(4, depth=2, gated=[1])
+
+
 def _conversations(path, n: int) -> None:
     rng = random.Random(0)
     words = ["the", "a", "sea", "fox", "blue", "red", "one", "two", "three", "poem", "write", "short"]
@@ -321,7 +363,7 @@ def test_store_takes_the_models_own_answers_and_training_reads_several_stores(tm
             f.write("\n")
     enc = chat_encoder(e.tokenizer)
     for data, out in ((conv, "a"), (own, "b")):
-        build_store(e.model, e.fingerprint, enc, tmp_path / out, StoreSettings(data=str(data), max_len=32, kv_layers=1))
+        build_store(e.model, e.fingerprint, enc, tmp_path / out, StoreSettings(data=str(data), max_len=32, kv_layers=2))
     b = TrainStore(tmp_path / "b", e.fingerprint)
     got = sorted(q["tokens"].tolist() for q in b.sequences(b.load_shard(0)))
     assert got == sorted([1, 5, 7] + [9] * (i + 2) for i in range(7))
@@ -339,6 +381,16 @@ def test_store_takes_the_models_own_answers_and_training_reads_several_stores(tm
     meta = json.loads((tmp_path / "run" / "adapters.json").read_text())
     assert meta["train"]["store_tokens"] == TrainStore(tmp_path / "a").tokens + b.tokens
     assert isinstance(stream, SeededFastStream)
+    # grown by one layer from that run: the new layer is gated, the trained one carried over
+    n = e.model.cfg.num_layers
+    grown = train_seeded(
+        e.model,
+        e.fingerprint,
+        replace(s, out=tmp_path / "grown", depth=2, init=str(tmp_path / "run" / "adapters")),
+        None,
+    )
+    assert grown.cfg.layers == [n - 2, n - 1] and grown.cfg.gated == [n - 2]
+    assert json.loads((tmp_path / "grown" / "adapters.json").read_text())["config"]["gated"] == [n - 2]
 
 
 @pytest.mark.parametrize("kernel", ["plain", "mkldnn"])

@@ -792,7 +792,10 @@ def _add_seeded_commands(sub: argparse._SubParsersAction) -> None:
         "store`, with train-time drafting chains. Writes DIR/adapters.safetensors (+ .json); use it with "
         "`--option adapters=DIR/adapters.safetensors` or copy it into src/m2r2/adapters/ to ship it.",
     )
-    init = "seeded adapters to start from (e.g. before the store grew)"
+    init = (
+        "seeded adapters to start from (e.g. before the store grew); a stream of fewer layers and the same rank "
+        "is grown to --depth: its layers carried over, the new ones' outputs gated shut at first"
+    )
     _add_store_train_args(ts, "runs/seeded", "adapter", init)
     ts.add_argument("--depth", type=int, default=1, help="fast layers K: the last K base layers (default 1)")
     ts.add_argument("--rank", type=int, default=32, help="adapter rank (default 32)")

@@ -173,7 +173,7 @@ def _shallow(module: nn.Module) -> nn.Module:
 _GROUP_SITES = {"qkv": ("attn", "wqkv"), "o": ("attn", "wo"), "gate_up": ("mlp", "w13"), "down": ("mlp", "w2")}
 
 
-def merged_block(block: Block, adapters: LayerAdapters) -> Block:
+def merged_block(block: Block, adapters: LayerAdapters, scale: dict[str, Tensor] | None = None) -> Block:
     """Base ``block`` with the adapters' deltas folded into private copies of the adapted layers.
 
     Why: on a CPU the low-rank deltas cost about as much as the layers themselves (two skinny
@@ -181,7 +181,8 @@ def merged_block(block: Block, adapters: LayerAdapters) -> Block:
     model), while a folded layer costs exactly a base layer. The copies use the base layer's kernel
     (a q4 layer is re-quantized from ``W + B A``, so the fast stream is a slightly different
     approximation than in training; the slow stream, and so lossless verification, is untouched).
-    Norms, the router and MoE experts stay shared with the base block.
+    Norms, the router and MoE experts stay shared with the base block. ``scale`` multiplies the
+    output features of a group's folded weight (``{"o": g, ...}``: a grown seeded layer's gates).
     """
     new = _shallow(block)
     with torch.no_grad():
@@ -194,7 +195,10 @@ def merged_block(block: Block, adapters: LayerAdapters) -> Block:
             lin = getattr(sub, attr)
             a, b = adapters.fused(group)
             w = dense_weight(lin)
-            setattr(sub, attr, linear_like(lin, w + (b.float() @ a.float()).to(w.device)))
+            w = w + (b.float() @ a.float()).to(w.device)
+            if scale is not None and group in scale:
+                w = scale[group].float().to(w.device)[:, None] * w
+            setattr(sub, attr, linear_like(lin, w))
     return new
 
 

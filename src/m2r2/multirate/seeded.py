@@ -21,7 +21,7 @@ fast stream's velocity. Draft ``i+1`` is seeded from the fast state of draft ``i
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -37,25 +37,36 @@ from m2r2.multirate.arla import ARLA
 from m2r2.multirate.fast import merged_block
 
 KIND = "seeded"
+#: A grown layer's output gates are ``GATE_SCALE * p`` with ``p`` starting at 0. Why the scale: AdamW
+#: moves a parameter by about ``lr`` a step whatever its size, so an unscaled gate would need ~1/lr
+#: steps to open; scaled, it opens within tens of steps when the loss asks for the layer.
+GATE_SCALE = 10.0
 
 
 @dataclass
 class SeededConfig:
-    """Shape of a seeded fast stream: the base layers it runs (the last ``depth`` by default) and rank."""
+    """Shape of a seeded fast stream: the base layers it runs (the last ``depth`` by default), rank, and
+    which of them were *grown* onto a shallower trained stream (outputs gated: :meth:`SeededFastStream.adopt`)."""
 
     num_base_layers: int
     layers: list[int]
     rank: int = 32
     arla_dim: int = 64
     kind: str = KIND
+    gated: list[int] = field(default_factory=list)
 
     @classmethod
-    def build(cls, num_layers: int, depth: int = 1, rank: int = 32, arla_dim: int = 64) -> SeededConfig:
+    def build(
+        cls, num_layers: int, depth: int = 1, rank: int = 32, arla_dim: int = 64, gated: list[int] | None = None
+    ) -> SeededConfig:
         if not 1 <= depth <= num_layers:
             raise SettingsError(f"seeded fast stream depth must be in 1..{num_layers}, got {depth}")
         if rank < 1:
             raise SettingsError(f"adapter rank must be >= 1, got {rank}")
-        return cls(num_layers, list(range(num_layers - depth, num_layers)), rank, arla_dim)
+        layers = list(range(num_layers - depth, num_layers))
+        if not set(gated or []) <= set(layers):
+            raise SettingsError(f"gated layers {gated} are not among the fast layers {layers}")
+        return cls(num_layers, layers, rank, arla_dim, gated=sorted(gated or []))
 
     @property
     def depth(self) -> int:
@@ -66,12 +77,18 @@ class SeededConfig:
         return math.ceil(self.num_base_layers / self.depth)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        if not self.gated:  # files and checkpoints of ungrown streams keep their earlier form
+            del d["gated"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SeededConfig:
         try:
-            return cls(int(d["num_base_layers"]), [int(i) for i in d["layers"]], int(d["rank"]), int(d["arla_dim"]))
+            layers, gated = [int(i) for i in d["layers"]], [int(i) for i in d.get("gated", [])]
+            if not set(gated) <= set(layers):
+                raise ValueError("gated layers must be fast layers")
+            return cls(int(d["num_base_layers"]), layers, int(d["rank"]), int(d["arla_dim"]), gated=gated)
         except (KeyError, TypeError, ValueError) as e:
             raise SettingsError(f"bad seeded fast-stream config {d}: {e}") from e
 
@@ -178,6 +195,8 @@ class SeededFastStream(DraftHead, nn.Module):
             self.fuse.weight.copy_(torch.cat([torch.eye(d), torch.eye(d)], dim=1))
         self.adapters = nn.ModuleList(LayerAdapters(base.cfg, cfg.rank, layer) for layer in cfg.layers)
         self.arla = ARLA(d, cfg.depth, cfg.arla_dim)
+        # [attention, FFN] output gates of grown layers (none in a stream trained at its depth)
+        self.gates = nn.ParameterDict({str(i): nn.Parameter(torch.zeros(2, d)) for i in cfg.gated})
         self.merged: list[Block] | None = None
         self.draft_vocab: Tensor | None = None
         self.sub_head: nn.Module | None = None
@@ -198,6 +217,47 @@ class SeededFastStream(DraftHead, nn.Module):
         if self.merged is not None:
             return self.merged[j], None
         return self.base.layers[self.cfg.layers[j]], self.adapters[j].lora()
+
+    def gate(self, j: int) -> Tensor | None:
+        """Fast layer ``j``'s [attention, FFN] output scales, or None (ungated, or folded into the merged copy)."""
+        key = str(self.cfg.layers[j])
+        if self.merged is not None or key not in self.gates:
+            return None
+        return GATE_SCALE * self.gates[key]
+
+    def residual(self, j: int, blk: Block, lora: Any, f: Tensor, o: Tensor) -> Tensor:
+        """Fast layer ``j``'s output from its input ``f`` and attention ``o``: both sub-layers add to the
+        residual, scaled by the layer's gates if it was grown."""
+        g = self.gate(j)
+        h = blk.attn.out(o, lora)
+        a = f + (h if g is None else g[0].to(h.dtype) * h)
+        m = blk.mlp(blk.mlp_norm(a), lora, resid=a)
+        return a + (m if g is None else g[1].to(m.dtype) * m)
+
+    def adopt(self, start: SeededFastStream) -> None:
+        """Start training from ``start``: a stream of this shape, or a shallower one of the same rank
+        whose layers are this stream's last ones. Why grow: a trained one-layer stream stopped gaining
+        from more data (docs/TRAINING.md); the earlier layers it lacks are added with their outputs
+        gated shut, so training starts exactly at ``start``'s drafts and opens them as they help."""
+        if start.cfg == self.cfg:
+            self.load_state_dict(start.state_dict())
+            return
+        a, b = start.cfg, self.cfg
+        extra = [i for i in b.layers if i not in a.layers]
+        if a.rank != b.rank or b.layers[-a.depth :] != a.layers or not set(extra) <= set(b.gated):
+            raise SettingsError(
+                f"cannot start a seeded stream of layers {b.layers}, rank {b.rank}, gated {b.gated} from one of "
+                f"layers {a.layers}, rank {a.rank}"
+            )
+        with torch.no_grad():
+            self.fuse.weight.copy_(start.fuse.weight)
+            for j, layer in enumerate(a.layers):
+                self.adapters[b.layers.index(layer)].load_state_dict(start.adapters[j].state_dict())
+            for key, p in start.gates.items():
+                self.gates[key].copy_(p)
+            for name in ("q", "k", "v", "out"):  # ARLA's layer embedding has one row per depth: kept fresh
+                getattr(self.arla, name).load_state_dict(getattr(start.arla, name).state_dict())
+        self.draft_vocab = start.draft_vocab if self.draft_vocab is None else self.draft_vocab
 
     # ---- training -------------------------------------------------------------------------------
     def forward_chain(self, tokens: Tensor, hidden: Tensor, k: Tensor, v: Tensor, steps: int) -> list[list[Tensor]]:
@@ -220,8 +280,7 @@ class SeededFastStream(DraftHead, nn.Module):
                 f = states[-1]
                 q, kk, vv = blk.attn.qkv(blk.attn_norm(f), cos, sin, lora)
                 fast_kv[j].append((kk, vv))
-                a = f + blk.attn.out(chained_attention(q, (k[j], v[j]), fast_kv[j]), lora)
-                states.append(a + blk.mlp(blk.mlp_norm(a), lora, resid=a))
+                states.append(self.residual(j, blk, lora, f, chained_attention(q, (k[j], v[j]), fast_kv[j])))
             out.append(states)
             prev = F.pad(states[-1], (0, 0, 1, 0))[:, :t]
         return out
@@ -235,8 +294,10 @@ class SeededFastStream(DraftHead, nn.Module):
             a.freeze(self.base.dtype)
         self.merged, self.sub_head, self.fuse_infer = None, None, None
         if merge:
+            gates = [self.gate(j) for j in range(self.cfg.depth)]  # a grown layer's fold into its output rows
             self.merged = [
-                merged_block(self.base.layers[i], a) for i, a in zip(self.cfg.layers, self.adapters, strict=True)
+                merged_block(self.base.layers[i], a, None if g is None else {"o": g[0], "down": g[1]})
+                for i, a, g in zip(self.cfg.layers, self.adapters, gates, strict=True)
             ]
             head = self.base.lm_head  # its kernel (bf16 under q4) also serves the fuse: 4 bits would blur it
             self.fuse_infer = linear_like(head, self.fuse.weight.detach().float())
@@ -278,8 +339,7 @@ class SeededFastStream(DraftHead, nn.Module):
                 k, v = torch.cat([fast_kv[j][0], k], dim=2), torch.cat([fast_kv[j][1], v], dim=2)
             sk, sv = cache.view(layer, verified_len)
             o = attend(q, torch.cat([sk, k], dim=2), torch.cat([sv, v], dim=2), mask)  # C++ rows on a CPU
-            a = f + blk.attn.out(o, lora)
-            states.append(a + blk.mlp(blk.mlp_norm(a), lora, resid=a))
+            states.append(self.residual(j, blk, lora, f, o))
             new_kv.append((k, v))
         return states, new_kv
 

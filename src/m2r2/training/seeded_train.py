@@ -98,6 +98,8 @@ class Trainee:
     load: Callable[[Path, str], nn.Module]  # (path, fingerprint): a file of this kind (--init)
     file: str = "adapters.safetensors"  # written into --out
     kv_layers: list[int] = field(default_factory=list)  # base layers whose slow K/V each batch carries
+    #: loads an --init module into ``module``; None: it must be of the same type and shape
+    adopt: Callable[[nn.Module], None] | None = None
 
 
 def pad_batch(seqs: list[dict[str, Tensor]], depth: int) -> dict[str, Tensor]:
@@ -199,6 +201,7 @@ def seeded_trainee(stream: SeededFastStream, chain: int, align_w: float = 0.5, a
         lambda path, fp, **info: save_adapters(path, stream, fp, torch.bfloat16, **info),
         lambda path, fp: load_adapters(path, stream.base, fp),
         kv_layers=stream.cfg.layers,
+        adopt=stream.adopt,
     )
 
 
@@ -224,10 +227,26 @@ def train_seeded(
     """Train (or resume) a seeded fast stream on the store at ``s.store``; writes checkpoints and adapters."""
     if s.chain < 1 or s.depth < 1:
         raise SettingsError("chain and depth must be >= 1")
-    stream = SeededFastStream(base, SeededConfig.build(base.cfg.num_layers, s.depth, s.rank))
+    stream = SeededFastStream(base, SeededConfig.build(base.cfg.num_layers, s.depth, s.rank, gated=grown_layers(s)))
     stream.draft_vocab = draft_vocab
     train_on_store(fingerprint, s, seeded_trainee(stream, s.chain, s.align_w, s.arla_w), log)
     return stream
+
+
+def grown_layers(s: SeededTrainSettings) -> list[int]:
+    """The fast layers a --init stream lacks (gated at first, :meth:`SeededFastStream.adopt`) plus those it had
+    gated itself; none without --init. Read from the file's config alone, so --resume rebuilds the same shape."""
+    if not s.init:
+        return []
+    from m2r2.multirate.io import adapter_kind, read_meta
+
+    cfg = read_meta(Path(s.init).with_suffix(".safetensors"))["config"]
+    if adapter_kind(cfg) != "seeded":
+        return []  # refused with a clear error when the file is loaded
+    start = SeededConfig.from_dict(cfg)
+    n = start.num_base_layers
+    layers = range(n - s.depth, n)
+    return sorted({i for i in layers if i not in start.layers} | (set(start.gated) & set(layers)))
 
 
 def train_medusa(
@@ -275,9 +294,14 @@ def train_on_store(
     step = 0
     if s.init and not s.resume:
         start = t.load(Path(s.init), fingerprint)
-        if type(start) is not type(module) or start.cfg != cfg:
+        if type(start) is not type(module):
+            raise SettingsError(f"--init {s.init} is not a {type(module).__name__}")
+        if t.adopt is not None:
+            t.adopt(start)
+        elif start.cfg != cfg:
             raise SettingsError(f"--init {s.init} is not a {type(module).__name__} of this shape ({cfg.to_dict()})")
-        module.load_state_dict(start.state_dict())
+        else:
+            module.load_state_dict(start.state_dict())
     if s.resume:
         state = load_checkpoint(ckpt, fingerprint, cfg.to_dict(), traj, digest)
         module.load_state_dict(state["stream"])
