@@ -24,7 +24,8 @@ def seeded_stream(
     """A seeded fast stream over the last ``depth`` layers; ``noise`` perturbs fuse, adapters and (``gated``:
     the first fast layer is a grown one) its gates."""
     n = model.cfg.num_layers
-    cfg = SeededConfig.build(n, depth=depth, rank=4, gated=[n - depth] if gated else None)
+    grown = [n - depth] if gated else None
+    cfg = SeededConfig.build(n, depth=depth, rank=4, gated=grown, attention_only=grown if depth > 2 else None)
     fast = SeededFastStream(model, cfg)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -46,7 +47,7 @@ CASES = [
     (7, 1, 0.0, 16, 4, 4, torch.bfloat16),
     (8, 2, 0.02, 5, 2, 1, torch.float32),
     (9, 2, 0.1, 8, 2, 2, torch.float32),  # seeds >= 9: a grown stream, its gates folded (odd) or not
-    (10, 3, 0.1, 6, 2, 2, torch.bfloat16),
+    (10, 3, 0.1, 6, 2, 2, torch.bfloat16),  # its grown layer runs attention only
 ]
 
 
@@ -236,15 +237,20 @@ def test_adapter_file_round_trip_and_refusals(tmp_path):
         load_adapters(path, model, "fp-1")
 
 
-def test_a_grown_stream_starts_at_its_shallower_stream_and_folds_its_gates(tmp_path):
-    """Growing a trained one-layer stream by a gated layer changes no draft until the gates open; open,
-    the folded form (gates scaled into the output projections) drafts what the unfolded one does."""
+@pytest.mark.parametrize("attention_only", [False, True])
+def test_a_grown_stream_starts_at_its_shallower_stream_and_folds_its_gates(tmp_path, attention_only):
+    """Growing a trained one-layer stream by a gated layer (whole, or attention only) changes no draft until
+    the gates open; open, the folded form (gates scaled into the output projections) drafts what the
+    unfolded one does."""
     from m2r2.multirate.io import load_adapters, save_adapters
 
     model = tiny_model(23, layers=4)
     one = seeded_stream(model, 1, 0.1, 23, fold=False)
-    two = SeededFastStream(model, SeededConfig.build(4, depth=2, rank=4, gated=[2]))
+    two = SeededFastStream(
+        model, SeededConfig.build(4, depth=2, rank=4, gated=[2], attention_only=[2] if attention_only else None)
+    )
     two.adopt(one)
+    assert attention_only == ("A.up" not in two.adapters[0].state_dict())
     tokens = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(1))
     cache = model.new_cache(12)
     hidden = model.run_layers(model.embed_tokens(tokens), cache, 0)
@@ -261,13 +267,16 @@ def test_a_grown_stream_starts_at_its_shallower_stream_and_folds_its_gates(tmp_p
     assert torch.allclose(unfolded, folded, atol=1e-5)
     assert not torch.allclose(unfolded, one.step(*args)[0][-1], atol=1e-3)
     back = load_adapters(save_adapters(tmp_path / "g.safetensors", two.freeze(False), "fp", torch.float32), model, "fp")
-    assert back.cfg.gated == [2] and torch.equal(back.gates["2"], two.gates["2"])
+    assert back.cfg == two.cfg and torch.equal(back.gates["2"], two.gates["2"])
     with pytest.raises(SettingsError, match="cannot start"):
         SeededFastStream(model, SeededConfig.build(4, depth=2, rank=8, gated=[2])).adopt(one)
     with pytest.raises(SettingsError, match="cannot start"):  # the new layer must be gated
         SeededFastStream(model, SeededConfig.build(4, depth=2, rank=4)).adopt(one)
     with pytest.raises(SettingsError, match="gated layers"):
         SeededConfig.build(4, depth=2, gated=[1])
+    if attention_only:  # an attention-only layer cannot give back the FFN adapters a whole layer needs
+        with pytest.raises(SettingsError, match="cannot start"):
+            SeededFastStream(model, SeededConfig.build(4, depth=2, rank=4, gated=[2])).adopt(two)
 
 
 def _conversations(path, n: int) -> None:
@@ -389,8 +398,16 @@ def test_store_takes_the_models_own_answers_and_training_reads_several_stores(tm
         replace(s, out=tmp_path / "grown", depth=2, init=str(tmp_path / "run" / "adapters")),
         None,
     )
-    assert grown.cfg.layers == [n - 2, n - 1] and grown.cfg.gated == [n - 2]
+    assert grown.cfg.layers == [n - 2, n - 1] and grown.cfg.gated == [n - 2] and not grown.cfg.attention_only
     assert json.loads((tmp_path / "grown" / "adapters.json").read_text())["config"]["gated"] == [n - 2]
+    # that grown layer, continued as attention only
+    init = str(tmp_path / "grown" / "adapters")
+    lean = train_seeded(
+        e.model, e.fingerprint, replace(s, out=tmp_path / "lean", depth=2, init=init, attention_only=True), None
+    )
+    assert lean.cfg.attention_only == [n - 2] and lean.cfg.gated == [n - 2]
+    with pytest.raises(SettingsError, match="--attention-only"):
+        train_seeded(e.model, e.fingerprint, replace(s, out=tmp_path / "x", attention_only=True), None)
 
 
 @pytest.mark.parametrize("kernel", ["plain", "mkldnn"])

@@ -800,6 +800,12 @@ def _add_seeded_commands(sub: argparse._SubParsersAction) -> None:
     ts.add_argument("--depth", type=int, default=1, help="fast layers K: the last K base layers (default 1)")
     ts.add_argument("--rank", type=int, default=32, help="adapter rank (default 32)")
     ts.add_argument("--chain", type=int, default=3, help="draft steps trained per position (default 3)")
+    ts.add_argument(
+        "--attention-only",
+        action="store_true",
+        help="layers grown onto --init run attention (over their base layer's slow cache) but no FFN: "
+        "about a quarter of a layer's cost; on SmolLM2 they kept the grown layer's agreement (docs/TRAINING.md)",
+    )
     ts.set_defaults(func=cmd_train_seeded)
 
     tmd = sub.add_parser(
@@ -986,7 +992,9 @@ def _train_from_store(args: argparse.Namespace, kind: str) -> int:
         info={"base_model": str(args.model or "smollm2-135m")},
     )
     if kind == "seeded":
-        s = st.SeededTrainSettings(**common, depth=args.depth, rank=args.rank, chain=args.chain)
+        s = st.SeededTrainSettings(
+            **common, depth=args.depth, rank=args.rank, chain=args.chain, attention_only=args.attention_only
+        )
         train, name = st.train_seeded, "adapters"
     elif kind == "eagle":
         from m2r2.training import eagle_train as et

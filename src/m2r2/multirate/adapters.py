@@ -30,11 +30,14 @@ FUSED = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down":
 ATTENTION_GROUPS = ("qkv", "o")
 
 
-def projection_shapes(cfg: ModelConfig, layer: int | None = None) -> dict[str, tuple[int, int]]:
-    """``(in, out)`` features of each adapted projection of base block ``layer`` (attention only when sparse)."""
+def projection_shapes(
+    cfg: ModelConfig, layer: int | None = None, attention_only: bool = False
+) -> dict[str, tuple[int, int]]:
+    """``(in, out)`` features of each adapted projection of base block ``layer`` (attention only when sparse
+    or asked: a seeded stream's attention-only layers run no FFN)."""
     d, q, kv, m = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
     shapes = {"q": (d, q), "k": (d, kv), "v": (d, kv), "o": (q, d), "gate": (d, m), "up": (d, m), "down": (m, d)}
-    if layer is not None and cfg.is_sparse(layer):
+    if attention_only or (layer is not None and cfg.is_sparse(layer)):
         return {p: shapes[p] for g in ATTENTION_GROUPS for p in FUSED[g]}
     return shapes
 
@@ -46,10 +49,10 @@ class LayerAdapters(nn.Module):
     adapters only); None means a dense block.
     """
 
-    def __init__(self, cfg: ModelConfig, rank: int, layer: int | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, rank: int, layer: int | None = None, attention_only: bool = False) -> None:
         super().__init__()
         self.rank = rank
-        shapes = projection_shapes(cfg, layer)
+        shapes = projection_shapes(cfg, layer, attention_only)
         self.groups = tuple(g for g, names in FUSED.items() if all(n in shapes for n in names))
         self.A = nn.ParameterDict(
             {p: nn.Parameter(torch.randn(rank, i) / math.sqrt(i)) for p, (i, _) in shapes.items()}

@@ -54,19 +54,30 @@ class SeededConfig:
     arla_dim: int = 64
     kind: str = KIND
     gated: list[int] = field(default_factory=list)
+    #: fast layers that run attention (over the slow cache of their base layer) but no FFN
+    attention_only: list[int] = field(default_factory=list)
 
     @classmethod
     def build(
-        cls, num_layers: int, depth: int = 1, rank: int = 32, arla_dim: int = 64, gated: list[int] | None = None
+        cls,
+        num_layers: int,
+        depth: int = 1,
+        rank: int = 32,
+        arla_dim: int = 64,
+        gated: list[int] | None = None,
+        attention_only: list[int] | None = None,
     ) -> SeededConfig:
         if not 1 <= depth <= num_layers:
             raise SettingsError(f"seeded fast stream depth must be in 1..{num_layers}, got {depth}")
         if rank < 1:
             raise SettingsError(f"adapter rank must be >= 1, got {rank}")
         layers = list(range(num_layers - depth, num_layers))
-        if not set(gated or []) <= set(layers):
-            raise SettingsError(f"gated layers {gated} are not among the fast layers {layers}")
-        return cls(num_layers, layers, rank, arla_dim, gated=sorted(gated or []))
+        for name, sub in (("gated", gated), ("attention-only", attention_only)):
+            if not set(sub or []) <= set(layers):
+                raise SettingsError(f"{name} layers {sub} are not among the fast layers {layers}")
+        return cls(
+            num_layers, layers, rank, arla_dim, gated=sorted(gated or []), attention_only=sorted(attention_only or [])
+        )
 
     @property
     def depth(self) -> int:
@@ -78,17 +89,21 @@ class SeededConfig:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        if not self.gated:  # files and checkpoints of ungrown streams keep their earlier form
-            del d["gated"]
+        for key in ("gated", "attention_only"):  # files and checkpoints of ungrown streams keep their earlier form
+            if not d[key]:
+                del d[key]
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SeededConfig:
         try:
-            layers, gated = [int(i) for i in d["layers"]], [int(i) for i in d.get("gated", [])]
-            if not set(gated) <= set(layers):
-                raise ValueError("gated layers must be fast layers")
-            return cls(int(d["num_base_layers"]), layers, int(d["rank"]), int(d["arla_dim"]), gated=gated)
+            layers = [int(i) for i in d["layers"]]
+            gated, attn = ([int(i) for i in d.get(key, [])] for key in ("gated", "attention_only"))
+            if not set(gated) | set(attn) <= set(layers):
+                raise ValueError("gated and attention-only layers must be fast layers")
+            return cls(
+                int(d["num_base_layers"]), layers, int(d["rank"]), int(d["arla_dim"]), gated=gated, attention_only=attn
+            )
         except (KeyError, TypeError, ValueError) as e:
             raise SettingsError(f"bad seeded fast-stream config {d}: {e}") from e
 
@@ -193,7 +208,9 @@ class SeededFastStream(DraftHead, nn.Module):
         self.fuse = nn.Linear(2 * d, d, bias=False)
         with torch.no_grad():  # start as h_N(t) + E(x_{t+1}): a residual the deep layer can read
             self.fuse.weight.copy_(torch.cat([torch.eye(d), torch.eye(d)], dim=1))
-        self.adapters = nn.ModuleList(LayerAdapters(base.cfg, cfg.rank, layer) for layer in cfg.layers)
+        self.adapters = nn.ModuleList(
+            LayerAdapters(base.cfg, cfg.rank, layer, layer in cfg.attention_only) for layer in cfg.layers
+        )
         self.arla = ARLA(d, cfg.depth, cfg.arla_dim)
         # [attention, FFN] output gates of grown layers (none in a stream trained at its depth)
         self.gates = nn.ParameterDict({str(i): nn.Parameter(torch.zeros(2, d)) for i in cfg.gated})
@@ -227,32 +244,43 @@ class SeededFastStream(DraftHead, nn.Module):
 
     def residual(self, j: int, blk: Block, lora: Any, f: Tensor, o: Tensor) -> Tensor:
         """Fast layer ``j``'s output from its input ``f`` and attention ``o``: both sub-layers add to the
-        residual, scaled by the layer's gates if it was grown."""
+        residual (an attention-only layer: attention alone), scaled by the layer's gates if it was grown."""
         g = self.gate(j)
         h = blk.attn.out(o, lora)
         a = f + (h if g is None else g[0].to(h.dtype) * h)
+        if self.cfg.layers[j] in self.cfg.attention_only:
+            return a
         m = blk.mlp(blk.mlp_norm(a), lora, resid=a)
         return a + (m if g is None else g[1].to(m.dtype) * m)
 
     def adopt(self, start: SeededFastStream) -> None:
-        """Start training from ``start``: a stream of this shape, or a shallower one of the same rank
-        whose layers are this stream's last ones. Why grow: a trained one-layer stream stopped gaining
-        from more data (docs/TRAINING.md); the earlier layers it lacks are added with their outputs
-        gated shut, so training starts exactly at ``start``'s drafts and opens them as they help."""
+        """Start training from ``start``: a stream of this shape, or one of the same rank whose layers
+        are this stream's last ones (shallower, or with layers this one runs attention-only). Why grow:
+        a trained one-layer stream stopped gaining from more data (docs/TRAINING.md); the earlier layers
+        it lacks are added with their outputs gated shut, so training starts exactly at ``start``'s
+        drafts and opens them as they help."""
         if start.cfg == self.cfg:
             self.load_state_dict(start.state_dict())
             return
         a, b = start.cfg, self.cfg
         extra = [i for i in b.layers if i not in a.layers]
-        if a.rank != b.rank or b.layers[-a.depth :] != a.layers or not set(extra) <= set(b.gated):
+        if (
+            a.rank != b.rank
+            or b.layers[-a.depth :] != a.layers
+            or not set(extra) <= set(b.gated)
+            or not set(a.attention_only) <= set(b.attention_only)
+        ):
             raise SettingsError(
-                f"cannot start a seeded stream of layers {b.layers}, rank {b.rank}, gated {b.gated} from one of "
-                f"layers {a.layers}, rank {a.rank}"
+                f"cannot start a seeded stream of layers {b.layers}, rank {b.rank}, gated {b.gated}, attention-only "
+                f"{b.attention_only} from one of layers {a.layers}, rank {a.rank}, attention-only {a.attention_only}"
             )
         with torch.no_grad():
             self.fuse.weight.copy_(start.fuse.weight)
-            for j, layer in enumerate(a.layers):
-                self.adapters[b.layers.index(layer)].load_state_dict(start.adapters[j].state_dict())
+            for j, layer in enumerate(a.layers):  # an attention-only layer takes the attention adapters alone
+                mine = self.adapters[b.layers.index(layer)].state_dict()
+                self.adapters[b.layers.index(layer)].load_state_dict(
+                    {k: v for k, v in start.adapters[j].state_dict().items() if k in mine}
+                )
             for key, p in start.gates.items():
                 self.gates[key].copy_(p)
             for name in ("q", "k", "v", "out"):  # ARLA's layer embedding has one row per depth: kept fresh

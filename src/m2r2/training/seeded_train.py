@@ -77,6 +77,7 @@ class SeededTrainSettings(StoreTrainSettings):
     depth: int = 1
     rank: int = 32
     chain: int = 3  # draft steps trained at each position (train-time drafting)
+    attention_only: bool = False  # layers grown onto --init run attention but no FFN
     align_w: float = 0.5
     arla_w: float = 0.1
 
@@ -227,26 +228,35 @@ def train_seeded(
     """Train (or resume) a seeded fast stream on the store at ``s.store``; writes checkpoints and adapters."""
     if s.chain < 1 or s.depth < 1:
         raise SettingsError("chain and depth must be >= 1")
-    stream = SeededFastStream(base, SeededConfig.build(base.cfg.num_layers, s.depth, s.rank, gated=grown_layers(s)))
+    gated, attention_only = grown_layers(s)
+    cfg = SeededConfig.build(base.cfg.num_layers, s.depth, s.rank, gated=gated, attention_only=attention_only)
+    stream = SeededFastStream(base, cfg)
     stream.draft_vocab = draft_vocab
     train_on_store(fingerprint, s, seeded_trainee(stream, s.chain, s.align_w, s.arla_w), log)
     return stream
 
 
-def grown_layers(s: SeededTrainSettings) -> list[int]:
-    """The fast layers a --init stream lacks (gated at first, :meth:`SeededFastStream.adopt`) plus those it had
-    gated itself; none without --init. Read from the file's config alone, so --resume rebuilds the same shape."""
+def grown_layers(s: SeededTrainSettings) -> tuple[list[int], list[int]]:
+    """Gated and attention-only fast layers. Gated: the layers a --init stream lacks (shut at first,
+    :meth:`SeededFastStream.adopt`) plus those it had gated itself; with ``attention_only`` the gated
+    layers run no FFN (measured: a grown layer's gain came from its attention, docs/TRAINING.md), as do
+    those the --init stream ran so. None without --init. Read from the file's config alone, so --resume
+    rebuilds the same shape."""
+    if s.attention_only and not s.init:
+        raise SettingsError("--attention-only applies to layers grown onto an --init stream")
     if not s.init:
-        return []
+        return [], []
     from m2r2.multirate.io import adapter_kind, read_meta
 
     cfg = read_meta(Path(s.init).with_suffix(".safetensors"))["config"]
     if adapter_kind(cfg) != "seeded":
-        return []  # refused with a clear error when the file is loaded
+        return [], []  # refused with a clear error when the file is loaded
     start = SeededConfig.from_dict(cfg)
     n = start.num_base_layers
-    layers = range(n - s.depth, n)
-    return sorted({i for i in layers if i not in start.layers} | (set(start.gated) & set(layers)))
+    layers = set(range(n - s.depth, n))
+    gated = {i for i in layers if i not in start.layers} | (set(start.gated) & layers)
+    attn = (gated if s.attention_only else set()) | (set(start.attention_only) & layers)
+    return sorted(gated), sorted(attn)
 
 
 def train_medusa(
