@@ -1,6 +1,7 @@
 """What the seeded drafter's head costs and buys: draft vocabulary size x head kernel bits.
 
     python experiments/draft_head.py [N_PROMPTS] [--threads N] [--model NAME --answers OWN_ANSWERS.jsonl]
+                                     [--adapters SEEDED_FILE --sizes shipped]
 
 For each variant the shipped seeded stream (inference form: folded layers, q4-amx) is teacher-forced
 on the bundled model's own greedy answers to the first N MT-Bench prompts (q4-amx, what `m2r2 bench`
@@ -32,11 +33,12 @@ parser.add_argument("--threads", type=int, default=1)
 parser.add_argument("--answers", default="runs/distill/answers-1920.jsonl", help="own answers the vocabulary counts")
 parser.add_argument("--model", default=None, help="bundled model name (default: smollm2-135m)")
 parser.add_argument("--sizes", default="shipped,8192,4096,2048,1024", help="draft vocabularies to try")
+parser.add_argument("--adapters", default=None, help="a seeded stream's file instead of the shipped one")
 args = parser.parse_args()
 
 engine = Engine(args.model, threads=args.threads, quiet=True)
 model, tok = engine.model, engine.tokenizer
-drafter = engine.strategy("m2r2").drafter
+drafter = engine.strategy("m2r2", **({"adapters": args.adapters} if args.adapters else {})).drafter
 fast = drafter.fast
 rows = [json.loads(x) for x in (shared_eval_dir() / "mt_bench.jsonl").open()][: args.prompts]
 seqs = []
