@@ -589,12 +589,14 @@ def _is_chain(tree: Tree, rows: list[int]) -> bool:
     return all(tree.parents[r] == rows[i] for i, r in enumerate(rows[1:]))
 
 
-def measure_tree_costs(model: Transformer, drafter: TreeDrafter, k_max: int, repeats: int = 5) -> TreeCosts:
+def measure_tree_costs(model: Transformer, drafter: TreeDrafter, k_max: int, repeats: int = 15) -> TreeCosts:
     """Time a drafter's start, its levels over 1..4 open nodes and greedy slow passes (certified head
     argmax, as a greedy verify runs) over 1..k_max+1 rows at a 128-token context.
 
     Interleaved rounds, minimum kept (so a burst of other load cannot make one look cheap). A level
-    is timed after a start (its K/V restart there) and the start's own time is taken off.
+    is timed after a start (its K/V restart there) and the start's own time is taken off. Fifteen
+    rounds, not five: with five, one measurement put a level of the same drafter at 0.08 or 0.10 of
+    a step between runs, enough to change its tree shapes for a whole run (BENCHMARKS.md, ninth round).
     """
     ctx = 128
     cache = model.new_cache(ctx + k_max + 2)
