@@ -274,6 +274,8 @@ def test_a_grown_stream_starts_at_its_shallower_stream_and_folds_its_gates(tmp_p
         SeededFastStream(model, SeededConfig.build(4, depth=2, rank=4)).adopt(one)
     with pytest.raises(SettingsError, match="gated layers"):
         SeededConfig.build(4, depth=2, gated=[1])
+    with pytest.raises(SettingsError, match="attention-only layers"):  # a file's config, as read back
+        SeededConfig.from_dict({**two.cfg.to_dict(), "attention_only": [0]})
     if attention_only:  # an attention-only layer cannot give back the FFN adapters a whole layer needs
         with pytest.raises(SettingsError, match="cannot start"):
             SeededFastStream(model, SeededConfig.build(4, depth=2, rank=4, gated=[2])).adopt(two)

@@ -804,7 +804,7 @@ def _add_seeded_commands(sub: argparse._SubParsersAction) -> None:
         "--attention-only",
         action="store_true",
         help="layers grown onto --init run attention (over their base layer's slow cache) but no FFN: "
-        "about a quarter of a layer's cost; on SmolLM2 they kept the grown layer's agreement (docs/TRAINING.md)",
+        "about a quarter of a layer's weights; on SmolLM2 they kept the grown layer's agreement (docs/TRAINING.md)",
     )
     ts.set_defaults(func=cmd_train_seeded)
 

@@ -57,6 +57,11 @@ class SeededConfig:
     #: fast layers that run attention (over the slow cache of their base layer) but no FFN
     attention_only: list[int] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        for name, sub in (("gated", self.gated), ("attention-only", self.attention_only)):
+            if not set(sub) <= set(self.layers):
+                raise SettingsError(f"{name} layers {sub} are not among the fast layers {self.layers}")
+
     @classmethod
     def build(
         cls,
@@ -72,9 +77,6 @@ class SeededConfig:
         if rank < 1:
             raise SettingsError(f"adapter rank must be >= 1, got {rank}")
         layers = list(range(num_layers - depth, num_layers))
-        for name, sub in (("gated", gated), ("attention-only", attention_only)):
-            if not set(sub or []) <= set(layers):
-                raise SettingsError(f"{name} layers {sub} are not among the fast layers {layers}")
         return cls(
             num_layers, layers, rank, arla_dim, gated=sorted(gated or []), attention_only=sorted(attention_only or [])
         )
@@ -99,8 +101,6 @@ class SeededConfig:
         try:
             layers = [int(i) for i in d["layers"]]
             gated, attn = ([int(i) for i in d.get(key, [])] for key in ("gated", "attention_only"))
-            if not set(gated) | set(attn) <= set(layers):
-                raise ValueError("gated and attention-only layers must be fast layers")
             return cls(
                 int(d["num_base_layers"]), layers, int(d["rank"]), int(d["arla_dim"]), gated=gated, attention_only=attn
             )
@@ -237,10 +237,10 @@ class SeededFastStream(DraftHead, nn.Module):
 
     def gate(self, j: int) -> Tensor | None:
         """Fast layer ``j``'s [attention, FFN] output scales, or None (ungated, or folded into the merged copy)."""
-        key = str(self.cfg.layers[j])
-        if self.merged is not None or key not in self.gates:
+        if self.merged is not None or not self.gates:
             return None
-        return GATE_SCALE * self.gates[key]
+        key = str(self.cfg.layers[j])
+        return GATE_SCALE * self.gates[key] if key in self.gates else None
 
     def residual(self, j: int, blk: Block, lora: Any, f: Tensor, o: Tensor) -> Tensor:
         """Fast layer ``j``'s output from its input ``f`` and attention ``o``: both sub-layers add to the
@@ -285,7 +285,6 @@ class SeededFastStream(DraftHead, nn.Module):
                 self.gates[key].copy_(p)
             for name in ("q", "k", "v", "out"):  # ARLA's layer embedding has one row per depth: kept fresh
                 getattr(self.arla, name).load_state_dict(getattr(start.arla, name).state_dict())
-        self.draft_vocab = start.draft_vocab if self.draft_vocab is None else self.draft_vocab
 
     # ---- training -------------------------------------------------------------------------------
     def forward_chain(self, tokens: Tensor, hidden: Tensor, k: Tensor, v: Tensor, steps: int) -> list[list[Tensor]]:
