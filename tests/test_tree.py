@@ -192,6 +192,19 @@ def test_bad_tree_settings_are_refused():
         SeededConfig.build(4, depth=5)
 
 
+def test_wide_trees_near_the_end_of_the_context_fit_their_drafts_in_the_cache():
+    """Draft nodes keep their fast K/V in the cache's free slots: near the model's context limit a wide
+    tree drafts fewer levels instead of overflowing the cache, and stays lossless."""
+    model = tiny_model(31)
+    fast = seeded_stream(model, 2, 0.0, 31, fold=True)
+    rng = random.Random(31)
+    prompt = [rng.randrange(64) for _ in range(445)]  # capacity: the context, 512 (67 slots past the prompt)
+    gen = GenerationConfig(max_new_tokens=60)
+    ref = Autoregressive(model, []).generate(prompt, gen)
+    out = TreeSpeculative("m2r2", model, fast, [], None, 31, 8, 16, 2).generate(prompt, gen)
+    assert out.tokens == ref.tokens and len(out.tokens) == 60
+
+
 @pytest.mark.parametrize("depth", [1, 2])
 def test_training_chains_compute_what_inference_drafts(depth):
     """Step s of ``forward_chain`` at position p equals drafting s tokens after verified prefix p-s."""
@@ -203,16 +216,17 @@ def test_training_chains_compute_what_inference_drafts(depth):
     layers = fast.cfg.layers
     k, v = cache.k[layers], cache.v[layers]
     chain = fast.forward_chain(tokens, hidden, k, v, steps=3)
+    slow = cache.k.clone(), cache.v.clone()
     for p in (3, 7, 11):
         for s in (1, 2, 3):
             verified = p - s + 1  # positions 0..p-s verified; drafts at p-s+1 .. p
+            cache.k.copy_(slow[0]), cache.v.copy_(slow[1])  # drafts write their fast K/V past the verified slots
             cache.length = verified
             seed = hidden[:, verified - 1 : verified]
-            kv = None
             for i in range(s):
                 pos = torch.tensor([verified + i])
                 vis = torch.ones(1, i + 1, dtype=torch.bool)
-                states, kv = fast.step(seed, tokens[:, verified + i : verified + i + 1], pos, cache, verified, kv, vis)
+                states = fast.step(seed, tokens[:, verified + i : verified + i + 1], pos, cache, verified, i, vis)
                 seed = states[-1]
             assert torch.allclose(states[-1][0, 0], chain[s - 1][-1][0, p], atol=1e-4)
 
@@ -261,11 +275,11 @@ def test_a_grown_stream_starts_at_its_shallower_stream_and_folds_its_gates(tmp_p
     with torch.no_grad():
         two.gates["2"].normal_(0, 0.05, generator=torch.Generator().manual_seed(2))
     cache.length = 6
-    args = (hidden[:, 5:6], tokens[:, 6:7], torch.tensor([6]), cache, 6, None, torch.ones(1, 1, dtype=torch.bool))
-    unfolded = two.freeze(merge=False).step(*args)[0][-1]
-    folded = two.freeze(merge=True).step(*args)[0][-1]
+    args = (hidden[:, 5:6], tokens[:, 6:7], torch.tensor([6]), cache, 6, 0, torch.ones(1, 1, dtype=torch.bool))
+    unfolded = two.freeze(merge=False).step(*args)[-1]
+    folded = two.freeze(merge=True).step(*args)[-1]
     assert torch.allclose(unfolded, folded, atol=1e-5)
-    assert not torch.allclose(unfolded, one.step(*args)[0][-1], atol=1e-3)
+    assert not torch.allclose(unfolded, one.step(*args)[-1], atol=1e-3)
     back = load_adapters(save_adapters(tmp_path / "g.safetensors", two.freeze(False), "fp", torch.float32), model, "fp")
     assert back.cfg == two.cfg and torch.equal(back.gates["2"], two.gates["2"])
     with pytest.raises(SettingsError, match="cannot start"):

@@ -227,10 +227,11 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | GappedMask | None) ->
     every row runs the same one-row kernel as decoding (keys are broadcast, not copied, for one
     sequence; a :class:`GappedMask` gathers each row's keys as decoding lays them out). Where the
     C++ row attention runs (:func:`row_kernel`: low-precision CPU tensors) it does this by
-    construction, with no gathers and one call per layer: measured on SmolLM2 (9 query heads, 300
-    keys of a bfloat16 cache, read in place; 1 thread, ``experiments/amx_micro.py``) 27 us for one row
-    and 152 us for 8 against 127 and 225 us for the float32 matmuls, and a tree pass no longer copies
-    the cache per branch. Longer passes (prefill, training) use the fused kernel as is.
+    construction, with no gathers and one call per layer, the rows of a pass sharing the loads of their
+    common prefix: measured on SmolLM2 (9 query heads, 300 keys of a bfloat16 cache, read in place; 1
+    thread, ``experiments/amx_micro.py``) ~20 us for one row and ~85 us for 8 against 127 and 225 us for
+    the float32 matmuls, and a tree pass copies no cache per branch. Longer passes (prefill, training)
+    use the fused kernel as is.
     """
     h, t = q.shape[1], q.shape[2]
     gqa = k.shape[1] != h

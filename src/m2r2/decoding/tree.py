@@ -185,8 +185,7 @@ class SeededDrafter:
     def start(self, h_last: Tensor, cache: KVCache, verified: int) -> None:
         self.cache, self.verified = cache, verified
         self.seeds: dict[int, Tensor] = {-1: h_last[0, 0]}  # node -> the fast state its children start from
-        self.kv: list[tuple[Tensor, Tensor]] | None = None
-        self.kv_rows: list[int] = []  # tree node of each fast K/V row so far
+        self.kv_rows: list[int] = []  # tree node of each fast K/V row so far (in the cache's free slots)
 
     def _level(self, tree: Tree, frontier: list[int]) -> Tensor:
         dev = self.fast.base.device
@@ -195,7 +194,8 @@ class SeededDrafter:
         positions = torch.tensor([self.verified + tree.depths[r] for r in frontier], device=dev)
         tokens = torch.tensor([[tree.tokens[r] for r in frontier]], device=dev)
         seeds = torch.stack([self.seeds[tree.parents[r]] for r in frontier])[None]
-        states, self.kv = self.fast.step(seeds, tokens, positions, self.cache, self.verified, self.kv, vis.to(dev))
+        drafted = len(self.kv_rows)
+        states = self.fast.step(seeds, tokens, positions, self.cache, self.verified, drafted, vis.to(dev))
         self.kv_rows = rows
         f = states[-1][0]
         self.seeds.update(zip(frontier, f, strict=True))
@@ -257,7 +257,9 @@ class TreeSpeculative:
         """
         greedy = gen.greedy
         width, branch = (self.width, self.branch) if greedy else (1, 1)
-        depth_cap = min(self.max_depth, room, self.drafter.max_levels)
+        # a seeded drafter keeps each level's fast K/V in the cache's free slots: 1 + width per later level
+        free = cache.max_len - cache.length
+        depth_cap = min(self.max_depth, room, self.drafter.max_levels, 1 + (free - 1) // width)
         tree = Tree([tok], [-1], [0], [1.0], [None])
         self.drafter.start(h_last, cache, cache.length)
         frontier = [0]

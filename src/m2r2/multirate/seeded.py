@@ -343,32 +343,31 @@ class SeededFastStream(DraftHead, nn.Module):
         positions: Tensor,
         cache: KVCache,
         verified_len: int,
-        fast_kv: list[tuple[Tensor, Tensor]] | None,
+        drafted: int,
         fast_mask: Tensor,
-    ) -> tuple[list[Tensor], list[tuple[Tensor, Tensor]]]:
-        """Draft ``n`` nodes at once (``tokens`` ``[1, n]`` at RoPE ``positions`` ``[n]``).
+    ) -> list[Tensor]:
+        """Draft ``n`` nodes at once (``tokens`` ``[1, n]`` at RoPE ``positions`` ``[n]``); returns the states.
 
         Each node attends the slow cache ``0..verified_len-1`` of the fast layer's base layer and the
-        fast keys of earlier draft nodes plus its own, as ``fast_mask`` (``[n, prev + n]``) allows
-        (a chain: all earlier; a tree: its ancestors). Returns the states and the fast K/V so far.
+        fast keys of earlier draft nodes plus its own, as ``fast_mask`` (``[n, drafted + n]``) allows
+        (a chain: all earlier; a tree: its ancestors). The fast K/V of draft nodes live in that cache's
+        free slots ``verified_len..``, after the ``drafted`` rows of earlier levels: scratch that the
+        verify pass overwrites, so a level attends one cache view and copies no keys.
         """
         base = self.base
         cos, sin = base.rope_cos[positions].to(base.dtype), base.rope_sin[positions].to(base.dtype)
-        n = tokens.shape[1]
-        mask = torch.cat([fast_mask.new_ones(n, verified_len), fast_mask], dim=1)
+        n, at = tokens.shape[1], verified_len + drafted
+        mask = torch.ones(n, at + n, dtype=torch.bool, device=fast_mask.device)
+        mask[:, verified_len:] = fast_mask
         states = [self.seed(h_prev.to(base.dtype), tokens).to(base.dtype)]
-        new_kv = []
         for j, layer in enumerate(self.cfg.layers):
             blk, lora = self.layer(j)
             f = states[-1]
             q, k, v = blk.attn.qkv(blk.attn_norm(f), cos, sin, lora)
-            if fast_kv is not None:
-                k, v = torch.cat([fast_kv[j][0], k], dim=2), torch.cat([fast_kv[j][1], v], dim=2)
-            sk, sv = cache.view(layer, verified_len)
-            o = attend(q, torch.cat([sk, k], dim=2), torch.cat([sv, v], dim=2), mask)  # C++ rows on a CPU
-            states.append(self.residual(j, blk, lora, f, o))
-            new_kv.append((k, v))
-        return states, new_kv
+            cache.write(layer, at, k, v)
+            sk, sv = cache.view(layer, at + n)
+            states.append(self.residual(j, blk, lora, f, attend(q, sk, sv, mask)))  # C++ rows on a CPU
+        return states
 
     def exit_probability(self, states: list[Tensor]) -> Tensor:
         return torch.sigmoid(self.arla(states, self.cfg.depth))
