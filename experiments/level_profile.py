@@ -5,11 +5,14 @@
 Times a tree level (start + one fast step over ``--nodes`` open nodes + top-2) at a 200-token context
 (minimum over 500 levels), records every C++ kernel call one level makes (`q4_linear`, `q8_linear`,
 `row_attention`, `rms_norm`) and replays each with its own arguments alone (minimum over 500 calls).
-What the kernels do not account for is torch ops and Python around them.
+What the kernels do not account for is torch ops and Python around them, and the kernels' own
+extra time in a level, where they run colder than replayed alone (the 2.4 MB draft head does not fit
+in L2): an upper bound on dispatch.
 
-Why not cProfile (this script's first version): its per-call overhead lands on the many small calls,
-so it put ~0.58 of a level in "dispatch"; one C++ call per fast layer (same bits, tried in the tenth
-round) saved only 3-6% of a level, and these replays agree: the level is mostly its kernels.
+Why not cProfile (this script's first version): its per-call overhead lands on the many small calls.
+One C++ call per fast layer (the same bits; tried in the tenth round, not kept) saved only 3-6% of a
+level, so the layer's own dispatch is small; what remains is the seed, the head's softmax and top-k,
+the tree's small tensors, and colder caches (not separated).
 """
 
 import argparse
