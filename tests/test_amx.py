@@ -185,6 +185,47 @@ def test_row_attention_reads_a_bfloat16_cache_as_its_float32_widening() -> None:
 
 
 @needs_ext
+@pytest.mark.parametrize("threads", [1, 2])
+def test_row_attention_rows_sharing_a_prefix_get_their_lone_bits(threads: int) -> None:
+    """Rows whose key lists share a long prefix share its loads (one item scores a block for all their
+    heads, transposed from 12 query vectors on): each row still gets the bits of its one-row call, for
+    1-16 rows (several items of up to 8 rows), bfloat16 and float32 caches, and rows with no key at all."""
+    g = torch.Generator().manual_seed(11)
+    heads, kv_heads, d, s, prefix = 9, 3, 64, 140, 101
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows in (1, 2, 4, 5, 8, 9, 16):
+            for dtype in (torch.bfloat16, torch.float32):
+                k = torch.randn(1, kv_heads, s, d, generator=g).to(dtype)
+                v = torch.randn(1, kv_heads, s, d, generator=g).to(dtype)
+                q = torch.randn(1, heads, rows, d, generator=g)
+                mask = torch.zeros(1, rows, s, dtype=torch.bool)
+                mask[..., :prefix] = True
+                mask[..., prefix:] = torch.rand(1, rows, s - prefix, generator=g) < 0.15
+                if rows == 9:
+                    mask[0, 3] = False  # a row that sees nothing (its group then shares no block)
+                out = amx.extension().row_attention(q, k, v, mask, d**-0.5)
+                for r in range(rows):
+                    alone = amx.extension().row_attention(
+                        q[:, :, r : r + 1].contiguous(), k, v, mask[:, r : r + 1].contiguous(), d**-0.5
+                    )
+                    assert torch.equal(out[:, r : r + 1], alone), (rows, dtype, r)
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_ext
+def test_row_attention_takes_empty_passes() -> None:
+    """No rows, or no keys: an empty result, or zeros (a row with no key attends nothing)."""
+    q, k = torch.zeros(1, 9, 0, 64), torch.zeros(1, 3, 10, 64, dtype=torch.bfloat16)
+    assert amx.extension().row_attention(q, k, k, torch.zeros(1, 0, 10, dtype=torch.bool), 0.125).shape == (1, 0, 9, 64)
+    q, k = torch.randn(1, 9, 2, 64), torch.zeros(1, 3, 0, 64, dtype=torch.bfloat16)
+    out = amx.extension().row_attention(q, k, k, torch.zeros(1, 2, 0, dtype=torch.bool), 0.125)
+    assert out.shape == (1, 2, 9, 64) and not out.any()
+
+
+@needs_ext
 def test_row_attention_batches_sequences_exactly() -> None:
     """Several sequences (batch items, own keys and mask each) get the bits of their lone calls."""
     g = torch.Generator().manual_seed(8)

@@ -412,6 +412,7 @@ void run_items(const float* qp, const KT* kp, const KT* vp, const bool* mp, floa
                int64_t T, int64_t D, int64_t KVH, int64_t S, std::array<int64_t, 6> kv, int64_t mb, float sc) {
   const int64_t G = H / KVH;
   const auto [kb, kh, ks, vb, vh, vs] = kv;
+  if (B * KVH * T == 0) return;  // an empty pass (no groups of rows to split)
   // rows split into groups of at most ROWS_PER_ITEM, and with several threads further while there are
   // fewer items than twice the threads (a row's bits do not depend on its group, so the split may)
   int64_t groups = (T + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM;
