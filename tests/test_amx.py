@@ -1,4 +1,5 @@
-"""The AMX 4-bit kernel (``q4-amx``): the same weights as ``q4``, rows independent of the pass size."""
+"""The C++ 4-bit kernels (``q4-amx``: AMX tiles, ``q4-avx512``: AVX512-BF16 dot products): the same
+weights as ``q4``, rows independent of the pass size."""
 
 from __future__ import annotations
 
@@ -12,7 +13,12 @@ from m2r2.kernels import AmxInt4Linear, AmxInt8Linear, Int4Linear, PackedLinear,
 from m2r2.loading import load_model
 from m2r2.model import RMSNorm
 
-needs_amx = pytest.mark.skipif(not amx.available(), reason="no AMX / AVX512-BF16 CPU or no C++ compiler here")
+needs_amx = pytest.mark.skipif(not amx.amx_available(), reason="no AMX CPU or no C++ compiler here")
+#: each way the C++ linears sum their products, where this CPU runs it
+PRODUCTS = [
+    pytest.param("amx", marks=needs_amx),
+    pytest.param("avx512", marks=pytest.mark.skipif(not amx.available(), reason="no AVX512-BF16 CPU or compiler")),
+]
 
 
 def q4_1_layer(n: int, k: int, seed: int) -> tuple[torch.nn.Linear, torch.Tensor]:
@@ -29,13 +35,13 @@ def q4_1_layer(n: int, k: int, seed: int) -> tuple[torch.nn.Linear, torch.Tensor
     return lin, w
 
 
-@needs_amx
-def test_q4_amx_runs_the_q4_weights_and_rounds_like_bf16() -> None:
+@pytest.mark.parametrize("products", PRODUCTS)
+def test_q4_native_runs_the_q4_weights_and_rounds_like_bf16(products: str) -> None:
     """One-hot rows read the exact 4-bit weights back; a random pass is x @ W^T in float32 rounded once
     to bf16 (within half a bf16 step of the float32 product of the same bf16 inputs, plus the float32
     summation-order error)."""
     lin, w = q4_1_layer(192, 96, seed=0)
-    layer = AmxInt4Linear(lin)
+    layer = AmxInt4Linear(lin, products=products)
     assert layer.exact
     assert torch.equal(layer(torch.eye(96, dtype=torch.bfloat16)).float(), w.t())
     assert torch.equal(layer(torch.eye(96, dtype=torch.bfloat16)), Int4Linear(lin)(torch.eye(96, dtype=torch.bfloat16)))
@@ -58,13 +64,13 @@ def q8_0_layer(n: int, k: int, seed: int) -> tuple[torch.nn.Linear, torch.Tensor
     return lin, w
 
 
-@needs_amx
-def test_q8_amx_runs_q8_0_weights_exactly() -> None:
+@pytest.mark.parametrize("products", PRODUCTS)
+def test_q8_native_runs_q8_0_weights_exactly(products: str) -> None:
     """The 8-bit head kernel recovers Q8_0 blocks from their float32 values and applies them without
     rounding a weight: one-hot rows give each weight rounded once to bf16, a random pass is x @ W^T in
     float32 rounded once to bf16; other weights are quantised to 8-bit blocks (``exact`` False)."""
     lin, w = q8_0_layer(192, 96, seed=4)
-    layer = AmxInt8Linear(lin)
+    layer = AmxInt8Linear(lin, products=products)
     assert layer.exact
     assert torch.equal(layer(torch.eye(96, dtype=torch.bfloat16)), w.t().to(torch.bfloat16))
     x = torch.randn(5, 96, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
@@ -75,26 +81,39 @@ def test_q8_amx_runs_q8_0_weights_exactly() -> None:
     assert not AmxInt8Linear(lin).exact
 
 
-@needs_amx
+@pytest.mark.parametrize("products", PRODUCTS)
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("bits", [4, 8])
-def test_amx_rows_do_not_depend_on_the_pass(threads: int, bits: int) -> None:
-    """Every row of a pass of 2..40 rows (several AMX row tiles beyond 16) has the bits it gets alone,
+def test_native_rows_do_not_depend_on_the_pass(products: str, threads: int, bits: int) -> None:
+    """Every row of a pass of 2..40 rows (several 16-row passes over the weights; 4-row groups and
+    their remainders on AVX512) has the bits it gets alone,
     with a bias, on 1 and 2 threads, for the 4-bit layers and the 8-bit head: what lossless
     verification needs."""
     lin, _ = (q4_1_layer if bits == 4 else q8_0_layer)(320, 128, seed=2)
     lin.bias = torch.nn.Parameter(torch.randn(320).to(torch.bfloat16))
-    layer = (AmxInt4Linear if bits == 4 else AmxInt8Linear)(lin)
+    layer = (AmxInt4Linear if bits == 4 else AmxInt8Linear)(lin, products=products)
     x = torch.randn(40, 128, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         alone = torch.cat([layer(x[i : i + 1]) for i in range(40)])
-        for rows in (2, 3, 8, 15, 16, 17, 33, 40):
+        for rows in (2, 3, 5, 6, 7, 8, 15, 16, 17, 33, 40):
             assert torch.equal(layer(x[:rows]), alone[:rows]), f"{rows} rows"
         assert torch.equal(layer(x[:6].view(2, 3, 128)).view(6, -1), alone[:6])  # batch dims flatten
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("products", PRODUCTS)
+def test_amx_and_avx512_sum_the_same_weights(products: str) -> None:
+    """The two ways of summing agree to float32 summation order: both apply the same integers, steps
+    and minima (a different summation order may move a bf16 output by a unit in its last place)."""
+    if not amx.amx_available():
+        pytest.skip("needs both kernels (an AMX CPU)")
+    lin, _ = q4_1_layer(192, 96, seed=7)
+    x = torch.randn(9, 96, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    a, b = (AmxInt4Linear(lin, products=p)(x).float() for p in ("amx", products))
+    assert ((a - b).abs() <= a.abs() * 2.0**-7 + 1e-6).all()
 
 
 @needs_amx
@@ -106,16 +125,32 @@ def test_q4_amx_is_auto_where_it_runs(tiny_model, monkeypatch) -> None:
     odd = load_model(tiny_model(hidden_size=64, intermediate_size=128, vocab_size=300), torch.bfloat16, kernel="q4-amx")
     assert isinstance(odd.model.lm_head, PackedLinear)  # a vocabulary not in blocks of 64: bf16 head
     assert load_model(d, torch.bfloat16, kernel="auto").kernel == "q4-amx"
-    monkeypatch.setattr(amx, "available", lambda: False)  # no AMX or no compiler: auto falls back to q4
+    monkeypatch.setattr(amx, "available", lambda: False)  # no AVX512-BF16 or no compiler: auto falls back to q4
     loaded = load_model(d, torch.bfloat16, kernel="auto")
     assert loaded.kernel == "q4" and isinstance(loaded.model.lm_head, PackedLinear)
 
 
-def test_without_amx_q4_amx_says_why(tiny_model, monkeypatch) -> None:
-    monkeypatch.setattr(amx, "available", lambda: False)
-    d = tiny_model(hidden_size=64, intermediate_size=128)
+@pytest.mark.skipif(not amx.available(), reason="no AVX512-BF16 CPU or no C++ compiler here")
+def test_without_amx_auto_takes_q4_avx512(tiny_model, monkeypatch) -> None:
+    """A CPU with AVX512-BF16 but no AMX (AMD Zen 4/5): ``auto`` runs the C++ kernel's dot-product path,
+    the head on its 8-bit blocks too, and ``q4-amx`` says why it cannot run."""
+    monkeypatch.setattr(amx, "amx_available", lambda: False)
+    d = tiny_model(hidden_size=64, intermediate_size=128, vocab_size=320)
+    loaded = load_model(d, torch.bfloat16, kernel="auto")
+    assert loaded.kernel == "q4-avx512"
+    w2, head = loaded.model.layers[0].mlp.w2, loaded.model.lm_head
+    assert isinstance(w2, AmxInt4Linear) and w2.op == "q4_linear_avx512"
+    assert isinstance(head, AmxInt8Linear) and head.op == "q8_linear_avx512"
     with pytest.raises(SettingsError, match="needs a CPU with AMX"):
         load_model(d, torch.bfloat16, kernel="q4-amx")
+
+
+@pytest.mark.parametrize("kernel", ["q4-amx", "q4-avx512"])
+def test_without_the_cpp_kernels_q4_native_says_why(tiny_model, monkeypatch, kernel: str) -> None:
+    monkeypatch.setattr(amx, "available", lambda: False)
+    d = tiny_model(hidden_size=64, intermediate_size=128)
+    with pytest.raises(SettingsError, match="needs a CPU with AVX512-BF16"):
+        load_model(d, torch.bfloat16, kernel=kernel)
 
 
 def test_q4_amx_refuses_widths_it_does_not_take(tiny_model) -> None:

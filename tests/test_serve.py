@@ -67,14 +67,14 @@ def solo(engine: Engine, ids: list[int], max_tokens: int, method: str = "vanilla
 # --------------------------------------------------------------------------- the model's batched step
 
 
-@pytest.mark.parametrize("kernel", ["plain", "mkldnn", "q4", "q4-amx"])
+@pytest.mark.parametrize("kernel", ["plain", "mkldnn", "q4", "q4-amx", "q4-avx512"])
 def test_step_rows_gives_each_sequence_its_lone_step_bits(kernel):
     """Sequences of different lengths and cache capacities in one step: each row = a lone step, K/V too."""
     from conftest import skip_unless_kernel
     from m2r2.kernels import use_kernels
     from test_speculative import tiny_model as random_model
 
-    model = random_model(4, dtype=torch.bfloat16, head_dim=16 if kernel == "q4-amx" else 8)  # q4-amx: widths of 64
+    model = random_model(4, dtype=torch.bfloat16, head_dim=16 if kernel.startswith("q4-") else 8)  # C++ q4: widths of 64
     skip_unless_kernel(model, kernel)
     use_kernels(model, kernel)
     g = torch.Generator().manual_seed(0)
@@ -106,7 +106,7 @@ def test_attention_over_several_caches_gives_each_its_lone_bits(dtype, heads, kv
     assert batches_requests_exactly(heads, kv_heads, head_dim, dtype, "cpu", torch.get_num_threads())
 
 
-@pytest.mark.parametrize("kernel", ["plain", "mkldnn", "q4", "q4-amx"])
+@pytest.mark.parametrize("kernel", ["plain", "mkldnn", "q4", "q4-amx", "q4-avx512"])
 def test_pooled_step_rows_attend_once_per_size_class_with_lone_step_bits(kernel):
     """Five sequences in two size classes of one pool, interleaved: one attention call per class, and
     every row, and every cache, equal to lone steps; also after a sequence leaves mid-way (the last
@@ -116,7 +116,7 @@ def test_pooled_step_rows_attend_once_per_size_class_with_lone_step_bits(kernel)
     from m2r2.kernels import use_kernels
     from test_speculative import tiny_model as random_model
 
-    model = random_model(4, dtype=torch.bfloat16, head_dim=16 if kernel == "q4-amx" else 8)  # q4-amx: widths of 64
+    model = random_model(4, dtype=torch.bfloat16, head_dim=16 if kernel.startswith("q4-") else 8)  # C++ q4: widths of 64
     skip_unless_kernel(model, kernel)
     use_kernels(model, kernel)
     ctx = model.cfg.max_position_embeddings
@@ -430,9 +430,9 @@ def test_serve_kernel_auto_takes_mkldnn_only_for_large_batches_on_amx_without_q4
 
     monkeypatch.setattr(scheduler, "cpu_has", lambda flag: flag == "amx_bf16")
     big = MKLDNN_FROM_BATCH
-    monkeypatch.setattr(amx, "available", lambda: True)
+    monkeypatch.setattr(amx, "amx_available", lambda: True)
     assert serve_kernel("auto", big, "bf16", "cpu") == "auto"  # q4-amx: flat in rows, fastest at every batch
-    monkeypatch.setattr(amx, "available", lambda: False)
+    monkeypatch.setattr(amx, "amx_available", lambda: False)
     assert serve_kernel("auto", big, "bf16", "cpu") == "mkldnn"
     assert serve_kernel("auto", big - 1, "bf16", "cpu") == "auto"  # the default batch: q4 wins below
     assert serve_kernel("q4", big, "bf16", "cpu") == "q4"  # an explicit choice is kept

@@ -1,4 +1,4 @@
-"""The C++ kernels (``csrc/``), built once per machine: the ``q4-amx`` linears
+"""The C++ kernels (``csrc/``), built once per machine: the ``q4-amx`` / ``q4-avx512`` linears
 (:class:`m2r2.kernels.AmxInt4Linear`, :class:`m2r2.kernels.AmxInt8Linear`), the row attention
 (:func:`m2r2.model.row_kernel`), the bfloat16 RMSNorm (:class:`m2r2.model.RMSNorm`) and the greedy
 argmax (:func:`m2r2.kernels.argmax_rows`).
@@ -7,10 +7,11 @@ Why C++: a verify pass runs a handful of rows through every layer, and torch's C
 de-quantizes the weights again for every 4 rows (v(8) = 1.96 on the bundled model). The kernel in
 ``csrc/q4_amx.cpp`` unpacks each block's 4-bit integers once per call and lets AMX multiply up to
 16 rows at the cost of one (steps and minima are applied to the sums per group of 32 inputs; the
-LM head runs the same way on its 8-bit blocks). torch's own extension builder compiles them (about
-30 s, once) into
+LM head runs the same way on its 8-bit blocks); a CPU with AVX512-BF16 but no AMX (AMD Zen 4/5)
+sums the same unpacked integers with dot-product instructions (``q4-avx512``), reading and unpacking
+each weight once for all rows. torch's own extension builder compiles them (about 30 s, once) into
 ``$M2R2_CACHE/ext/``, keyed by the source, the torch version and the compiler flags; a CPU without
-AMX/AVX512-BF16, or a machine without a C++ compiler, simply does not get the kernel (``auto`` then
+AVX512-BF16, or a machine without a C++ compiler, simply does not get the kernels (``auto`` then
 picks ``q4``), and says why once.
 """
 
@@ -44,8 +45,9 @@ FLAGS = [
     "-fopenmp",
 ]
 LDFLAGS = ["-fopenmp"]  # at::parallel_for is inline: without OpenMP here it would run on one thread
-#: CPU flags the kernel needs (``/proc/cpuinfo`` names).
-CPU_FLAGS = ("avx512f", "avx512bw", "avx512_bf16", "amx_bf16", "amx_tile")
+#: CPU flags every kernel here needs (``/proc/cpuinfo`` names); the AMX products also need :data:`AMX_FLAGS`.
+CPU_FLAGS = ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16")
+AMX_FLAGS = ("amx_bf16", "amx_tile")
 #: Set to 1 to keep the kernel off (a reference run, or a machine where building misbehaves).
 DISABLE_ENV = "M2R2_NO_AMX"
 
@@ -63,7 +65,7 @@ def extension() -> ModuleType | None:
 
         build.mkdir(parents=True, exist_ok=True)
         if not any(build.glob("*.so")):
-            print("m2r2: building the q4-amx kernel for this CPU (once, ~30 s)", file=sys.stderr)
+            print("m2r2: building the C++ kernels for this CPU (once, ~30 s)", file=sys.stderr)
         module = load(
             name=f"m2r2_q4_amx_{key}",
             sources=[str(src) for src in SOURCES],
@@ -73,11 +75,19 @@ def extension() -> ModuleType | None:
         )
     except Exception as e:  # no compiler, missing headers, a failed build: the stock kernels still run
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        warnings.warn(f"the q4-amx kernel is not available here ({type(e).__name__}: {first[:200]})", stacklevel=2)
+        warnings.warn(f"the C++ kernels are not available here ({type(e).__name__}: {first[:200]})", stacklevel=2)
         return None
     return module if module.usable() else None
 
 
 def available() -> bool:
-    """Whether the ``q4-amx`` kernel runs on this machine (builds it on first call)."""
+    """Whether the C++ kernels run on this machine (builds them on first call): ``q4-avx512``, the row
+    attention, norm and argmax; ``q4-amx`` also needs :func:`amx_available`."""
     return extension() is not None
+
+
+@functools.cache
+def amx_available() -> bool:
+    """Whether the ``q4-amx`` kernel's AMX products run here too."""
+    ext = extension()
+    return ext is not None and all(cpu_has(f) for f in AMX_FLAGS) and bool(ext.amx_usable())

@@ -37,8 +37,8 @@ _PROBE_ROWS = (2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 24, 31, 32)
 
 @functools.cache
 def batches_exactly(kind: str, out_features: int, in_features: int, dtype: torch.dtype, threads: int) -> bool:
-    """Whether this machine's ``kind`` GEMM ("packed" oneDNN, "plain" ``F.linear``, "q4-amx"
-    :class:`AmxInt4Linear` or "q8-amx" :class:`AmxInt8Linear`) gives each row of a
+    """Whether this machine's ``kind`` GEMM ("packed" oneDNN, "plain" ``F.linear``, "q4-amx" /
+    "q4-avx512" :class:`AmxInt4Linear` or "q8-amx" / "q8-avx512" :class:`AmxInt8Linear`) gives each row of a
     2..:data:`ROW_INVARIANT_MAX_ROWS`-row pass the bits it gets alone, probed once per shape and
     thread count.
 
@@ -50,15 +50,17 @@ def batches_exactly(kind: str, out_features: int, in_features: int, dtype: torch
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(out_features, in_features, generator=gen).to(dtype)
     packed = torch.ops.mkldnn._reorder_linear_weight(w, batch_size=1) if kind == "packed" else None
-    if kind in ("q4-amx", "q8-amx"):
+    native = kind in NATIVE_KERNELS or kind.replace("q8", "q4") in NATIVE_KERNELS
+    if native:
         lin = nn.Linear(in_features, out_features, bias=False)
         with torch.no_grad():
             lin.weight.copy_(w.float() * 0.05)
-        amx_layer = (AmxInt4Linear if kind == "q4-amx" else AmxInt8Linear)(lin)
+        products = kind.split("-")[1]
+        native_layer = (AmxInt4Linear if kind.startswith("q4") else AmxInt8Linear)(lin, products=products)
 
     def run(x: Tensor) -> Tensor:
-        if kind in ("q4-amx", "q8-amx"):
-            return amx_layer(x)
+        if native:
+            return native_layer(x)
         if packed is None:
             return F.linear(x, w)
         return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
@@ -251,17 +253,23 @@ class Int4Linear(nn.Module):
 
 
 class _AmxLinear(nn.Module):
-    """What the AMX kernels share: integer weights ``q`` packed per block of 64 columns in AMX's pair
-    layout (``qbytes``), float16 terms per column and group of 32 inputs (``scales``), and the C++
-    op ``OP`` that sums them. A subclass gives the integers, the terms and how lanes pack to bytes."""
+    """What the C++ integer kernels share: integer weights ``q`` packed per block of 64 columns in the
+    VNNI pair layout (``qbytes``), float16 terms per column and group of 32 inputs (``scales``), and the
+    C++ op ``OP`` that sums them, on AMX tiles (``products="amx"``) or with AVX512-BF16 dot products
+    (``"avx512"``: CPUs without AMX, e.g. AMD Zen 4/5; other bits, the same weights). A subclass gives
+    the integers, the terms and how lanes pack to bytes."""
 
     BLOCK = 64
     GROUP = 32
     OP = ""
 
-    def __init__(self, lin: nn.Linear, q: Tensor, terms: list[Tensor]) -> None:
+    def __init__(self, lin: nn.Linear, q: Tensor, terms: list[Tensor], products: str = "amx") -> None:
         """``q`` ``[n, k]`` integers; ``terms`` the per-group factors (``[n, k/32]`` each)."""
         super().__init__()
+        if products not in ("amx", "avx512"):
+            raise ValueError(f"products must be amx or avx512, got {products!r}")
+        self.products = products
+        self.op = self.OP if products == "amx" else f"{self.OP}_avx512"
         n, k = q.shape
         nb = n // self.BLOCK
         self.in_features, self.out_features = lin.in_features, lin.out_features
@@ -285,7 +293,7 @@ class _AmxLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
-        y = getattr(amx.extension(), self.OP)(x.reshape(-1, shape[-1]).contiguous(), self.qbytes, self.scales)
+        y = getattr(amx.extension(), self.op)(x.reshape(-1, shape[-1]).contiguous(), self.qbytes, self.scales)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*shape[:-1], y.shape[-1])
@@ -313,9 +321,9 @@ class AmxInt4Linear(_AmxLinear):
     LOW_LANES = tuple(8 * (b // 16) + b % 8 + (32 if b % 16 >= 8 else 0) for b in range(64))
     HIGH_LANES = tuple(64 + lane for lane in LOW_LANES)
 
-    def __init__(self, lin: nn.Linear, source: Tensor | None = None) -> None:
+    def __init__(self, lin: nn.Linear, source: Tensor | None = None, products: str = "amx") -> None:
         q, step, lo, exact = Int4Linear.quantize(lin, source)
-        super().__init__(lin, q.to(torch.uint8), [step, lo])
+        super().__init__(lin, q.to(torch.uint8), [step, lo], products)
         self.exact = exact
 
     @staticmethod
@@ -338,7 +346,7 @@ class AmxInt8Linear(_AmxLinear):
 
     OP = "q8_linear"
 
-    def __init__(self, lin: nn.Linear, source: Tensor | None = None) -> None:
+    def __init__(self, lin: nn.Linear, source: Tensor | None = None, products: str = "amx") -> None:
         w = (lin.weight if source is None else source).detach().float()
         n, k = w.shape
         blocks = w.view(n, k // self.GROUP, self.GROUP)
@@ -347,7 +355,7 @@ class AmxInt8Linear(_AmxLinear):
         q = r.round().clamp_(-127, 127)
         exact = bool(((r - q).abs() <= Int4Linear.TOL).all())
         del r
-        super().__init__(lin, q.view(n, k).to(torch.int8), [step])
+        super().__init__(lin, q.view(n, k).to(torch.int8), [step], products)
         self.exact = exact
 
     @staticmethod
@@ -394,7 +402,9 @@ def linear_like(lin: nn.Module, weight: Tensor) -> nn.Module:
         if bias is not None:
             plain.bias.copy_(bias)
     plain.requires_grad_(False)
-    if isinstance(lin, Int4Linear | _AmxLinear):
+    if isinstance(lin, _AmxLinear):
+        return type(lin)(plain, weight.float(), products=lin.products)
+    if isinstance(lin, Int4Linear):
         return type(lin)(plain, weight.float())
     if isinstance(lin, PackedLinear):
         return PackedLinear(plain)
@@ -403,7 +413,9 @@ def linear_like(lin: nn.Module, weight: Tensor) -> nn.Module:
     return plain
 
 
-KERNELS = ("auto", "plain", "mkldnn", "int8", "q4", "q4-amx")
+#: The C++ 4-bit kernels (``csrc/q4_amx.cpp``) and how each sums its products.
+NATIVE_KERNELS = {"q4-amx": "amx", "q4-avx512": "avx512"}
+KERNELS = ("auto", "plain", "mkldnn", "int8", "q4", *NATIVE_KERNELS)
 
 
 def mkldnn_usable(model: Transformer) -> bool:
@@ -426,31 +438,35 @@ def q4_usable(model: Transformer) -> bool:
     )
 
 
-def q4_amx_problem(model: Transformer) -> str | None:
-    """Why the AMX 4-bit kernel cannot run every dense layer of ``model`` here, or None where it can
-    (builds the kernel on first call; probes per layer shape that a multi-row pass keeps each row's
-    one-row bits)."""
+def q4_native_problem(model: Transformer, kernel: str = "q4-amx") -> str | None:
+    """Why the C++ 4-bit ``kernel`` (``q4-amx`` or ``q4-avx512``) cannot run every dense layer of
+    ``model`` here, or None where it can (builds the kernels on first call; probes per layer shape
+    that a multi-row pass keeps each row's one-row bits)."""
     if not q4_usable(model):
-        return (
-            f"the q4-amx kernel needs bf16 on a CPU and a dense model with layer widths divisible by {Int4Linear.GROUP}"
-        )
+        return f"the {kernel} kernel needs bf16 on a CPU and a dense model with layer widths divisible by {Int4Linear.GROUP}"
     layers = _dense_layers(model)
     if not all(AmxInt4Linear.fits(lin) for lin in layers):
-        return f"the q4-amx kernel needs layer output widths divisible by {AmxInt4Linear.BLOCK}"
+        return f"the {kernel} kernel needs layer output widths divisible by {AmxInt4Linear.BLOCK}"
     if not amx.available():
-        return "the q4-amx kernel needs a CPU with AMX and AVX512-BF16 and a C++ compiler (use --kernel q4)"
+        return f"the {kernel} kernel needs a CPU with AVX512-BF16 and a C++ compiler (use --kernel q4)"
+    if kernel == "q4-amx" and not amx.amx_available():
+        return "the q4-amx kernel needs a CPU with AMX (use --kernel q4-avx512 or q4)"
     shapes = {(lin.out_features, lin.in_features) for lin in layers}
-    if not all(batches_exactly("q4-amx", n, k, torch.bfloat16, torch.get_num_threads()) for n, k in shapes):
-        return "the q4-amx kernel changes a row's bits with the pass size on this machine (use --kernel q4)"
+    if not all(batches_exactly(kernel, n, k, torch.bfloat16, torch.get_num_threads()) for n, k in shapes):
+        return f"the {kernel} kernel changes a row's bits with the pass size on this machine (use --kernel q4)"
     return None
 
 
 def q4_amx_usable(model: Transformer) -> bool:
-    return q4_amx_problem(model) is None
+    return q4_native_problem(model, "q4-amx") is None
 
 
-def q8_amx_head_fits(model: Transformer) -> bool:
-    """Whether the q4-amx kernel's 8-bit head (:class:`AmxInt8Linear`) takes ``model``'s LM head here
+def q4_avx512_usable(model: Transformer) -> bool:
+    return q4_native_problem(model, "q4-avx512") is None
+
+
+def q8_native_head_fits(model: Transformer, kernel: str) -> bool:
+    """Whether ``kernel``'s 8-bit head (:class:`AmxInt8Linear`) takes ``model``'s LM head here
     (vocabulary divisible by 64; rows probed at the head's input width: a column's sums do not depend
     on how many columns there are, so a 4,096-column probe stands for the whole head)."""
     head = model.lm_head
@@ -458,7 +474,7 @@ def q8_amx_head_fits(model: Transformer) -> bool:
     return (
         AmxInt8Linear.fits(head)
         and amx.available()
-        and batches_exactly("q8-amx", min(n, 4096), k, torch.bfloat16, torch.get_num_threads())
+        and batches_exactly(kernel.replace("q4", "q8"), min(n, 4096), k, torch.bfloat16, torch.get_num_threads())
     )
 
 
@@ -473,8 +489,9 @@ def use_kernels(model: Transformer, kernel: str = "auto", source: Mapping[str, T
     the q4 kernel quantises those (see :class:`Int4Linear`), the others ignore it.
 
     ``plain`` keeps ``nn.Linear`` (needed for training, and the reference mode). ``auto`` picks
-    ``q4-amx`` for bf16 on an AMX CPU where the kernel builds and every layer fits it, else ``q4``,
-    else ``mkldnn``, else ``plain``. Measured on the bundled Q4_1 model (BENCHMARKS.md): q4 decodes
+    ``q4-amx`` for bf16 on an AMX CPU where the kernel builds and every layer fits it, else
+    ``q4-avx512`` on an AVX512-BF16 CPU (the same C++ kernel with dot products instead of AMX tiles),
+    else ``q4``, else ``mkldnn``, else ``plain``. Measured on the bundled Q4_1 model (BENCHMARKS.md): q4 decodes
     ~1.7x faster than oneDNN bf16 with the same agreement with the fp32 reference, because it runs
     the GGUF's own 4-bit weights; q4-amx runs the same weights with a one-token step 0.85-0.87 of
     q4's and verify passes nearly flat in rows (8 rows 1.22-1.28 of q4's one-token step, "Sixth round").
@@ -483,7 +500,7 @@ def use_kernels(model: Transformer, kernel: str = "auto", source: Mapping[str, T
         raise ValueError(f"unknown kernel {kernel!r}; choose from {', '.join(KERNELS)}")
     if kernel == "auto":
         kernel = (
-            ("q4-amx" if q4_amx_usable(model) else "q4")
+            ("q4-amx" if q4_amx_usable(model) else "q4-avx512" if q4_avx512_usable(model) else "q4")
             if q4_usable(model)
             else "mkldnn"
             if mkldnn_usable(model)
@@ -491,21 +508,25 @@ def use_kernels(model: Transformer, kernel: str = "auto", source: Mapping[str, T
         )
     if kernel == "mkldnn" and not mkldnn_usable(model):
         raise ValueError("the mkldnn kernel needs bf16 weights on a CPU with oneDNN")
-    if kernel in ("int8", "q4", "q4-amx") and (model.dtype != torch.bfloat16 or model.device.type != "cpu"):
+    if kernel in ("int8", "q4", *NATIVE_KERNELS) and (model.dtype != torch.bfloat16 or model.device.type != "cpu"):
         raise ValueError(f"the {kernel} kernel needs bf16 activations on a CPU")
     if kernel == "plain" and model.dtype != torch.float32 and model.device.type == "cpu":
         for lin in [model.lm_head, *(m for b in model.layers for m in b.modules() if type(m) is nn.Linear)]:
             lin.__class__ = RowInvariantLinear  # same parameters; only the forward changes
-    wrap = {"mkldnn": PackedLinear, "int8": Int8Linear, "q4": Int4Linear, "q4-amx": AmxInt4Linear}.get(kernel)
+    wrap: Callable[..., nn.Module] | None = {"mkldnn": PackedLinear, "int8": Int8Linear, "q4": Int4Linear}.get(kernel)
+    if kernel in NATIVE_KERNELS:
+        if problem := q4_native_problem(model, kernel):
+            raise ValueError(problem)
+        wrap = functools.partial(AmxInt4Linear, products=NATIVE_KERNELS[kernel])
     head_wrap = wrap
-    if kernel == "q4-amx" and (problem := q4_amx_problem(model)):
-        raise ValueError(problem)
-    if kernel in ("q4", "q4-amx"):
+    if kernel in ("q4", *NATIVE_KERNELS):
         # The bundled head/embedding is Q8_0 (8-bit): 4 bits would lose accuracy there, so the head
-        # keeps oneDNN bf16 where available, or under q4-amx its 8-bit blocks on AMX.
+        # keeps oneDNN bf16 where available, or under the C++ kernels its own 8-bit blocks.
         head_wrap = PackedLinear if mkldnn_usable(model) else None
-        if kernel == "q4-amx" and q8_amx_head_fits(model):
-            head_wrap = functools.partial(AmxInt8Linear, source=(source or {}).get("lm_head.weight"))
+        if kernel in NATIVE_KERNELS and q8_native_head_fits(model, kernel):
+            head_wrap = functools.partial(
+                AmxInt8Linear, source=(source or {}).get("lm_head.weight"), products=NATIVE_KERNELS[kernel]
+            )
         if not q4_usable(model):
             raise ValueError(
                 f"the q4 kernel needs a dense (non-MoE) model with layer widths divisible by {Int4Linear.GROUP}"
@@ -514,7 +535,7 @@ def use_kernels(model: Transformer, kernel: str = "auto", source: Mapping[str, T
         src = source or {}
 
         def swap(lin: nn.Module, name: str) -> nn.Module:
-            return wrap(lin, src.get(name + ".weight")) if wrap in (Int4Linear, AmxInt4Linear) else wrap(lin)
+            return wrap(lin, src.get(name + ".weight")) if kernel in ("q4", *NATIVE_KERNELS) else wrap(lin)
 
         for i, block in enumerate(model.layers):
             block.attn.wqkv = swap(block.attn.wqkv, f"layers.{i}.attn.wqkv")

@@ -5,13 +5,19 @@
 // de-quantized. Per column and group of 32 inputs a weight is w = q * d + m (4-bit: q in 0..15, step
 // d, minimum m) or w = q * d (8-bit: q in -127..127, GGUF Q8_0), so a group adds
 // d * sum(q * x) + m * sum(x) to an output. The integers are exact in bf16: each group of 32 inputs
-// x 64 columns is unpacked to bf16 integers (a 4 KB buffer in the VNNI pair layout AMX reads), AMX
-// sums q * x for up to 16 rows at once (TDPBF16PS: bf16 products are exact in float32; 1 row costs
-// what 16 cost), and the float32 sums are scaled per column. Every output is summed group by group in
-// the same order whatever the number of rows, so a row's bits do not depend on the pass (tested; the
-// Python side also probes it once per shape). The next group is unpacked while AMX works on this
-// one, the weights a few groups ahead are prefetched, and column blocks run in parallel on torch's
-// thread pool (at::parallel_for, OpenMP).
+// x 64 columns is unpacked once per call (per 16 rows) to bf16 integers (a 4 KB buffer in the VNNI
+// pair layout), whose products with bf16 inputs are exact in float32, and the float32 sums are scaled
+// per column. Two ways to sum q * x, one template:
+//   AMX (Sapphire Rapids and later): TDPBF16PS sums up to 16 rows at once, 1 row costs what 16 cost;
+//   AVX512-BF16 (Zen 4/5, Cooper Lake): VDPBF16PS per row, 16 columns x 1 input pair an instruction,
+//     four rows at a time so each unpacked weight register serves four rows; the unpacking and the
+//     weight bytes read (what a one-row step waits on) are still paid once for all rows.
+// The two give different bits (the hardware adds in different orders), so they are two kernels
+// (q4-amx, q4-avx512). In each, every output is summed group by group in the same order whatever the
+// number of rows, so a row's bits do not depend on the pass (tested; the Python side also probes it
+// once per shape). The next group is unpacked while AMX works on this one, the weights a few groups
+// ahead are prefetched, and column blocks run in parallel on torch's thread pool (at::parallel_for,
+// OpenMP).
 //
 // Layouts (written by m2r2.kernels.AmxInt4Linear / AmxInt8Linear). Per column block of 64 and pair
 // of inputs (2p, 2p+1) there are 128 VNNI lanes: lane j is column j/2 at input 2p + j%2.
@@ -27,6 +33,8 @@
 
 #include <sys/syscall.h>
 #include <unistd.h>
+
+bool amx_usable();  // below: whether the AMX products run here
 
 namespace {
 
@@ -82,10 +90,34 @@ inline void configure(int rows) {
   _tile_loadconfig(&cfg);
 }
 
-// y[M, N] (bf16) = x[M, K] (bf16) @ W^T for the packed W [N, K] of BITS-bit integers.
-template <int BITS>
+// Sums of q * x for one group with VDPBF16PS: c[i][col] for ROWS rows starting at x (row stride K),
+// the group's inputs at x + 32 g. Each (row, 16-column quarter) sums its 16 input pairs in order.
+template <int ROWS>
+inline void dot_group(const at::BFloat16* w, const at::BFloat16* x, int64_t K, float* c) {
+  __m512 s[ROWS][4];
+  for (int r = 0; r < ROWS; ++r)
+    for (int t = 0; t < 4; ++t) s[r][t] = _mm512_setzero_ps();
+  for (int p = 0; p < 16; ++p) {
+    __m512bh wv[4];
+    for (int t = 0; t < 4; ++t) wv[t] = (__m512bh)_mm512_load_si512(w + p * 2 * NB + 32 * t);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x + r * K + 2 * p));
+      for (int t = 0; t < 4; ++t) s[r][t] = _mm512_dpbf16_ps(s[r][t], wv[t], xb);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int t = 0; t < 4; ++t) _mm512_store_ps(c + r * NB + 16 * t, s[r][t]);
+}
+
+// y[M, N] (bf16) = x[M, K] (bf16) @ W^T for the packed W [N, K] of BITS-bit integers, the products
+// summed on AMX tiles or (AMX false) with AVX512-BF16 dot products.
+template <int BITS, bool AMX>
 torch::Tensor linear(torch::Tensor x, torch::Tensor qbytes, torch::Tensor scales) {
   constexpr int64_t terms = BITS == 4 ? 2 : 1;  // per group: steps (and minima)
+  if constexpr (AMX) {  // an AMX instruction on a CPU without it would kill the process
+    static const bool amx_ok = amx_usable();
+    TORCH_CHECK(amx_ok, "this CPU has no AMX: use the avx512 products (kernel q4-avx512)");
+  }
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x: contiguous bf16 [M, K]");
   TORCH_CHECK(qbytes.element_size() == 1 && qbytes.is_contiguous() && qbytes.dim() == 3, "qbytes: bytes [N/64, K/2, lanes]");
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 4, "scales: half [N/64, K/32, terms, 64]");
@@ -125,7 +157,8 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor qbytes, torch::Tensor scales
     int configured = 0;
     for (int64_t m0 = 0; m0 < M; m0 += MB) {
       const int rows = static_cast<int>(std::min(MB, M - m0));
-      if (rows != configured) configure(rows), configured = rows;
+      if constexpr (AMX)
+        if (rows != configured) configure(rows), configured = rows;
       for (int64_t b = b0; b < b1; ++b) {
         const uint8_t* qb = qp + b * groups * group_bytes<BITS>;
         const at::Half* sb = sp + b * groups * terms * NB;
@@ -133,19 +166,31 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor qbytes, torch::Tensor scales
         unpack_group<BITS>(qb, w[0], lut_lo, lut_hi);
         for (int64_t g = 0; g < groups; ++g) {
           const at::BFloat16* wg = w[g & 1];
-          _tile_zero(0);
-          _tile_zero(1);
-          _tile_zero(2);
-          _tile_zero(3);
-          _tile_loadd(4, xp + m0 * K + g * 32, K * sizeof(at::BFloat16));
-          _tile_loadd(5, wg, 2 * NB * sizeof(at::BFloat16));
-          _tile_loadd(6, wg + 32, 2 * NB * sizeof(at::BFloat16));
-          _tile_dpbf16ps(0, 4, 5);
-          _tile_dpbf16ps(1, 4, 6);
-          _tile_loadd(5, wg + 64, 2 * NB * sizeof(at::BFloat16));
-          _tile_loadd(6, wg + 96, 2 * NB * sizeof(at::BFloat16));
-          _tile_dpbf16ps(2, 4, 5);
-          _tile_dpbf16ps(3, 4, 6);
+          if constexpr (AMX) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            _tile_loadd(4, xp + m0 * K + g * 32, K * sizeof(at::BFloat16));
+            _tile_loadd(5, wg, 2 * NB * sizeof(at::BFloat16));
+            _tile_loadd(6, wg + 32, 2 * NB * sizeof(at::BFloat16));
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_dpbf16ps(1, 4, 6);
+            _tile_loadd(5, wg + 64, 2 * NB * sizeof(at::BFloat16));
+            _tile_loadd(6, wg + 96, 2 * NB * sizeof(at::BFloat16));
+            _tile_dpbf16ps(2, 4, 5);
+            _tile_dpbf16ps(3, 4, 6);
+          } else {
+            const at::BFloat16* xg = xp + m0 * K + g * 32;
+            int i = 0;
+            for (; i + 4 <= rows; i += 4) dot_group<4>(wg, xg + i * K, K, c + i * NB);
+            switch (rows - i) {
+              case 3: dot_group<3>(wg, xg + i * K, K, c + i * NB); break;
+              case 2: dot_group<2>(wg, xg + i * K, K, c + i * NB); break;
+              case 1: dot_group<1>(wg, xg + i * K, K, c + i * NB); break;
+              default: break;
+            }
+          }
           if (g + 1 < groups) {  // while AMX works: prefetch ahead, unpack the next group
             // (past the block's end: the next block's first groups; the hardware prefetcher alone
             // left the loop waiting on memory)
@@ -155,10 +200,12 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor qbytes, torch::Tensor scales
             for (int l = 0; l < 2 * terms; ++l) _mm_prefetch(sahead + 64 * l, _MM_HINT_T0);
             unpack_group<BITS>(qb + (g + 1) * group_bytes<BITS>, w[(g + 1) & 1], lut_lo, lut_hi);
           }
-          _tile_stored(0, c, NB * sizeof(float));
-          _tile_stored(1, c + 16, NB * sizeof(float));
-          _tile_stored(2, c + 32, NB * sizeof(float));
-          _tile_stored(3, c + 48, NB * sizeof(float));
+          if constexpr (AMX) {
+            _tile_stored(0, c, NB * sizeof(float));
+            _tile_stored(1, c + 16, NB * sizeof(float));
+            _tile_stored(2, c + 32, NB * sizeof(float));
+            _tile_stored(3, c + 48, NB * sizeof(float));
+          }
           // this group's terms, per row and column: fma(sum(q * x), d, acc), then fma(sum(x), m, acc)
           const at::Half* s = sb + g * terms * NB;
           __m512 d[4], mn[4];
@@ -183,19 +230,27 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor qbytes, torch::Tensor scales
                                 (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(acc + i * NB + j)));
       }
     }
-    _tile_release();
+    if constexpr (AMX) _tile_release();
   });
   return y;
 }
 
 }  // namespace
 
-// Whether this CPU runs the kernels: AVX512-BF16/BW for the unpacking and sums, AMX for the products.
-// (Linux gives a process AMX state only on request: ARCH_REQ_XCOMP_PERM for XTILEDATA.)
+// Whether this CPU runs the kernels: AVX512-BF16/BW for every kernel here (the unpacking, sums and
+// dot products, the row attention, norm and argmax).
 bool usable() {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx512bf16");
+}
+
+// Whether it also runs the AMX products (Linux gives a process AMX state only on request:
+// ARCH_REQ_XCOMP_PERM for XTILEDATA).
+bool amx_usable() {
   constexpr int ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-  return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("amx-bf16") && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  return usable() && __builtin_cpu_supports("amx-bf16") &&
+         syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
 }
 
 // row_attention.cpp
@@ -206,10 +261,13 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor argmax_rows(torch::Tensor x);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("q4_linear", &linear<4>, "4-bit weight-only linear layer (AMX)");
-  m.def("q8_linear", &linear<8>, "8-bit weight-only linear layer (AMX)");
+  m.def("q4_linear", &linear<4, true>, "4-bit weight-only linear layer (AMX)");
+  m.def("q8_linear", &linear<8, true>, "8-bit weight-only linear layer (AMX)");
+  m.def("q4_linear_avx512", &linear<4, false>, "4-bit weight-only linear layer (AVX512-BF16)");
+  m.def("q8_linear_avx512", &linear<8, false>, "8-bit weight-only linear layer (AVX512-BF16)");
   m.def("row_attention", &row_attention, "attention of a few rows, bits independent of the keys' layout");
   m.def("rms_norm", &rms_norm, "RMSNorm of bfloat16 rows, each row alone");
   m.def("argmax_rows", &argmax_rows, "index of each row's maximum, as torch.argmax");
-  m.def("usable", &usable, "whether this CPU can run the kernels");
+  m.def("usable", &usable, "whether this CPU can run the kernels (AVX512-BF16)");
+  m.def("amx_usable", &amx_usable, "whether this CPU can also run the AMX linear layers");
 }

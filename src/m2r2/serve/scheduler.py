@@ -82,7 +82,7 @@ def serve_kernel(kernel: str, max_batch: int, dtype: str, device: str | None) ->
     if kernel != "auto" or max_batch < MKLDNN_FROM_BATCH or dtype != "bf16" or (device or default_device()) != "cpu":
         return kernel
     amx_gemm = torch.backends.mkldnn.is_available() and cpu_has("amx_bf16")
-    return "mkldnn" if amx_gemm and not amx.available() else kernel
+    return "mkldnn" if amx_gemm and not amx.amx_available() else kernel
 
 
 class QueueFull(M2R2Error):
