@@ -74,7 +74,8 @@ def test_step_rows_gives_each_sequence_its_lone_step_bits(kernel):
     from m2r2.kernels import use_kernels
     from test_speculative import tiny_model as random_model
 
-    model = random_model(4, dtype=torch.bfloat16, head_dim=16 if kernel.startswith("q4-") else 8)  # C++ q4: widths of 64
+    head_dim = 16 if kernel.startswith("q4-") else 8  # the C++ q4 kernels: widths of 64
+    model = random_model(4, dtype=torch.bfloat16, head_dim=head_dim)
     skip_unless_kernel(model, kernel)
     use_kernels(model, kernel)
     g = torch.Generator().manual_seed(0)
@@ -116,7 +117,8 @@ def test_pooled_step_rows_attend_once_per_size_class_with_lone_step_bits(kernel)
     from m2r2.kernels import use_kernels
     from test_speculative import tiny_model as random_model
 
-    model = random_model(4, dtype=torch.bfloat16, head_dim=16 if kernel.startswith("q4-") else 8)  # C++ q4: widths of 64
+    head_dim = 16 if kernel.startswith("q4-") else 8  # the C++ q4 kernels: widths of 64
+    model = random_model(4, dtype=torch.bfloat16, head_dim=head_dim)
     skip_unless_kernel(model, kernel)
     use_kernels(model, kernel)
     ctx = model.cfg.max_position_embeddings

@@ -443,7 +443,8 @@ def q4_native_problem(model: Transformer, kernel: str = "q4-amx") -> str | None:
     ``model`` here, or None where it can (builds the kernels on first call; probes per layer shape
     that a multi-row pass keeps each row's one-row bits)."""
     if not q4_usable(model):
-        return f"the {kernel} kernel needs bf16 on a CPU and a dense model with layer widths divisible by {Int4Linear.GROUP}"
+        widths = f"layer widths divisible by {Int4Linear.GROUP}"
+        return f"the {kernel} kernel needs bf16 on a CPU and a dense model with {widths}"
     layers = _dense_layers(model)
     if not all(AmxInt4Linear.fits(lin) for lin in layers):
         return f"the {kernel} kernel needs layer output widths divisible by {AmxInt4Linear.BLOCK}"
