@@ -276,14 +276,14 @@ class _AmxLinear(nn.Module):
         self.bias = lin.bias
         # VNNI pairs: lane j of input pair p is column j // 2 at input 2p + j % 2
         lanes = q.view(nb, self.BLOCK, k // 2, 2).permute(0, 2, 1, 3).reshape(nb, k // 2, 2 * self.BLOCK)
-        self.qbytes = self.pack(lanes).contiguous()
+        self.qbytes = self.pack(lanes, products).contiguous()
         per_block = [t.view(nb, self.BLOCK, k // self.GROUP).transpose(1, 2) for t in terms]
         self.scales = torch.stack(per_block, dim=2).half().contiguous()  # [nb, k/32, len(terms), 64]
         if not torch.isfinite(self.scales).all():
             raise ValueError(f"q4-amx: a step or minimum of a {type(self).__name__} does not fit float16")
 
     @staticmethod
-    def pack(lanes: Tensor) -> Tensor:
+    def pack(lanes: Tensor, products: str) -> Tensor:
         """The bytes the C++ op reads for integer ``lanes`` ``[blocks, k/2, 128]``."""
         raise NotImplementedError
 
@@ -327,8 +327,13 @@ class AmxInt4Linear(_AmxLinear):
         self.exact = exact
 
     @staticmethod
-    def pack(lanes: Tensor) -> Tensor:
-        return lanes[..., list(AmxInt4Linear.LOW_LANES)] | (lanes[..., list(AmxInt4Linear.HIGH_LANES)] << 4)
+    def pack(lanes: Tensor, products: str) -> Tensor:
+        if products == "amx":
+            return lanes[..., list(AmxInt4Linear.LOW_LANES)] | (lanes[..., list(AmxInt4Linear.HIGH_LANES)] << 4)
+        # avx512: 32 little-endian words per pair, nibble n of word i = lane 32n + i (the kernel shifts a
+        # word by 4n to reach it)
+        words = sum(lanes[..., 32 * n : 32 * n + 32].to(torch.int32) << (4 * n) for n in range(4))
+        return torch.stack([words & 0xFF, words >> 8], dim=-1).flatten(-2).to(torch.uint8)
 
 
 class AmxInt8Linear(_AmxLinear):
@@ -359,7 +364,7 @@ class AmxInt8Linear(_AmxLinear):
         self.exact = exact
 
     @staticmethod
-    def pack(lanes: Tensor) -> Tensor:
+    def pack(lanes: Tensor, products: str) -> Tensor:
         return lanes
 
 

@@ -109,6 +109,32 @@ inline void dot_group(const at::BFloat16* w, const at::BFloat16* x, int64_t K, f
     for (int t = 0; t < 4; ++t) _mm512_store_ps(c + r * NB + 16 * t, s[r][t]);
 }
 
+// The same sums straight from 4-bit bytes packed for this path (no unpacked buffer): 32 little-endian
+// words per input pair, nibble n of word i being lane 32n + i, so (word >> 4n) & 0xF | 0x4300 is the
+// bf16 of 128 + q for 16 columns at once (one shift and one ternary-logic op per 32 weights, against
+// four byte shuffles, interleaves and stores). The caller takes 128 * sum(x) off each sum.
+template <int ROWS>
+inline void dot_group_offset(const uint8_t* q, const at::BFloat16* x, int64_t K, float* c) {
+  const __m512i low4 = _mm512_set1_epi16(0x000F), offset = _mm512_set1_epi16(0x4300);  // bf16(128) = 0x4300
+  __m512 s[ROWS][4];
+  for (int r = 0; r < ROWS; ++r)
+    for (int t = 0; t < 4; ++t) s[r][t] = _mm512_setzero_ps();
+  for (int p = 0; p < 16; ++p) {
+    const __m512i words = _mm512_loadu_si512(q + p * NB);
+    __m512bh wv[4];
+    wv[0] = (__m512bh)_mm512_ternarylogic_epi32(words, low4, offset, 0xEA);  // (a & b) | c
+    wv[1] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(words, 4), low4, offset, 0xEA);
+    wv[2] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(words, 8), low4, offset, 0xEA);
+    wv[3] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(words, 12), low4, offset, 0xEA);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x + r * K + 2 * p));
+      for (int t = 0; t < 4; ++t) s[r][t] = _mm512_dpbf16_ps(s[r][t], wv[t], xb);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int t = 0; t < 4; ++t) _mm512_store_ps(c + r * NB + 16 * t, s[r][t]);
+}
+
 // y[M, N] (bf16) = x[M, K] (bf16) @ W^T for the packed W [N, K] of BITS-bit integers, the products
 // summed on AMX tiles or (AMX false) with AVX512-BF16 dot products.
 template <int BITS, bool AMX>
@@ -163,7 +189,8 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor qbytes, torch::Tensor scales
         const uint8_t* qb = qp + b * groups * group_bytes<BITS>;
         const at::Half* sb = sp + b * groups * terms * NB;
         for (int i = 0; i < rows * NB; i += 16) _mm512_store_ps(acc + i, _mm512_setzero_ps());
-        unpack_group<BITS>(qb, w[0], lut_lo, lut_hi);
+        constexpr bool OFFSET = !AMX && BITS == 4;  // the AVX512 4-bit path reads its bytes directly
+        if constexpr (!OFFSET) unpack_group<BITS>(qb, w[0], lut_lo, lut_hi);
         for (int64_t g = 0; g < groups; ++g) {
           const at::BFloat16* wg = w[g & 1];
           if constexpr (AMX) {
@@ -180,6 +207,17 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor qbytes, torch::Tensor scales
             _tile_loadd(6, wg + 96, 2 * NB * sizeof(at::BFloat16));
             _tile_dpbf16ps(2, 4, 5);
             _tile_dpbf16ps(3, 4, 6);
+          } else if constexpr (OFFSET) {
+            const at::BFloat16* xg = xp + m0 * K + g * 32;
+            const uint8_t* qg = qb + g * group_bytes<BITS>;
+            int i = 0;
+            for (; i + 4 <= rows; i += 4) dot_group_offset<4>(qg, xg + i * K, K, c + i * NB);
+            switch (rows - i) {
+              case 3: dot_group_offset<3>(qg, xg + i * K, K, c + i * NB); break;
+              case 2: dot_group_offset<2>(qg, xg + i * K, K, c + i * NB); break;
+              case 1: dot_group_offset<1>(qg, xg + i * K, K, c + i * NB); break;
+              default: break;
+            }
           } else {
             const at::BFloat16* xg = xp + m0 * K + g * 32;
             int i = 0;
@@ -198,7 +236,8 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor qbytes, torch::Tensor scales
             for (int l = 0; l < group_bytes<BITS> / 64; ++l) _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
             const char* sahead = reinterpret_cast<const char*>(sb + (g + PREFETCH) * terms * NB);
             for (int l = 0; l < 2 * terms; ++l) _mm_prefetch(sahead + 64 * l, _MM_HINT_T0);
-            unpack_group<BITS>(qb + (g + 1) * group_bytes<BITS>, w[(g + 1) & 1], lut_lo, lut_hi);
+            if constexpr (!OFFSET)
+              unpack_group<BITS>(qb + (g + 1) * group_bytes<BITS>, w[(g + 1) & 1], lut_lo, lut_hi);
           }
           if constexpr (AMX) {
             _tile_stored(0, c, NB * sizeof(float));
@@ -218,7 +257,9 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor qbytes, torch::Tensor scales
             const __m512 xg = BITS == 4 ? _mm512_set1_ps(xs[(m0 + i) * groups + g]) : _mm512_setzero_ps();
             for (int t = 0; t < 4; ++t) {
               __m512 a = _mm512_load_ps(acc + i * NB + 16 * t);
-              a = _mm512_fmadd_ps(_mm512_load_ps(c + i * NB + 16 * t), d[t], a);
+              __m512 sum = _mm512_load_ps(c + i * NB + 16 * t);
+              if constexpr (OFFSET) sum = _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), xg, sum);  // 128 * sum(x) off
+              a = _mm512_fmadd_ps(sum, d[t], a);
               if constexpr (BITS == 4) a = _mm512_fmadd_ps(xg, mn[t], a);
               _mm512_store_ps(acc + i * NB + 16 * t, a);
             }
