@@ -1,5 +1,6 @@
-"""One-token step and verify passes of q4 and q4-amx, interleaved in one process (the same context,
-certified head), so machine noise hits both alike.
+"""One-token step and verify passes of q4 and the C++ 4-bit kernels this CPU runs (q4-amx on AMX,
+q4-avx512 on AVX512-BF16), interleaved in one process (the same context, certified head), so machine
+noise hits all alike.
 
     python experiments/kernel_ab.py THREADS
 """
@@ -10,11 +11,13 @@ import time
 
 import torch
 
+from m2r2 import amx
 from m2r2.engine import Engine
 from m2r2.kernels import head_argmax
 
 threads = int(sys.argv[1]) if len(sys.argv) > 1 else 1
-engines = {k: Engine(kernel=k, threads=threads, quiet=True) for k in ("q4", "q4-amx")}
+kinds = ["q4", *(["q4-amx"] if amx.amx_available() else []), *(["q4-avx512"] if amx.available() else [])]
+engines = {k: Engine(kernel=k, threads=threads, quiet=True) for k in kinds}
 ctx = 200
 rows = (1, 2, 4, 8, 16)
 caches = {}

@@ -381,6 +381,14 @@ class LoadedModel:
     kernel: str
 
 
+def _aligned(t: Tensor) -> Tensor:
+    """``t``, copied where its data does not start on a 64-byte boundary (a tensor read straight from a
+    safetensors file sits wherever the file put it). Why: a CPU BLAS may pick another code path, and so
+    other float32 bits, for an unaligned operand (measured on an AMD EPYC: a fused expert weight read
+    in place gave a Qwen2-MoE other logits than the same values stacked into fresh memory)."""
+    return t.clone() if t.device.type == "cpu" and t.data_ptr() % 64 else t
+
+
 def load_model(
     model_dir: Path,
     dtype: torch.dtype = torch.bfloat16,
@@ -410,7 +418,7 @@ def load_model(
             )
     del hf_sd  # the unfused originals: frees what the fused copies replaced
     source = sd  # float32 as stored: the q4 kernel recovers the GGUF's 4-bit blocks from these exactly
-    sd = {k: v.to(device=device, dtype=dtype) for k, v in sd.items()}
+    sd = {k: _aligned(v.to(device=device, dtype=dtype)) for k, v in sd.items()}
     try:
         model.load_state_dict(sd, assign=True, strict=True)
     except RuntimeError as e:
