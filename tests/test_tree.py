@@ -446,3 +446,46 @@ def test_a_verify_pass_gives_each_row_its_one_token_step_bits(kernel):
         )
         block = model.run_layers(model.embed_tokens(tokens[:, 40:60]), many, 40)
     assert torch.equal(block, steps)
+
+
+def test_a_tapped_stream_starts_at_its_plain_stream_and_trains_on_the_stores_taps(tmp_path, tiny_model):
+    """``--taps``: the store keeps the tap layers' outputs (exactly the base pass's), a stream grown from a
+    plain one fuses them through columns that start at 0 (so it drafts what the plain one did), and a
+    store without those taps is refused."""
+    from m2r2.engine import Engine
+    from m2r2.training.seeded_train import SeededTrainSettings, train_seeded
+    from m2r2.training.store import StoreSettings, TrainStore, build_store, chat_encoder
+
+    e = Engine(str(tiny_model(0)), dtype="fp32", quiet=True)
+    conv = tmp_path / "conv.jsonl"
+    _conversations(conv, 9)
+    enc = chat_encoder(e.tokenizer)
+    build_store(
+        e.model, e.fingerprint, enc, tmp_path / "t", StoreSettings(str(conv), max_len=32, kv_layers=1, taps=[0])
+    )
+    build_store(e.model, e.fingerprint, enc, tmp_path / "p", StoreSettings(str(conv), max_len=32, kv_layers=1))
+    store = TrainStore(tmp_path / "t", e.fingerprint)
+    seq = next(store.sequences(store.load_shard(0)))
+    layers: list[torch.Tensor] = []
+    with torch.no_grad():
+        cache = e.model.new_cache(len(seq["tokens"]))
+        e.model.run_layers(e.model.embed_tokens(seq["tokens"][None]), cache, 0, layers)
+    assert store.taps == [0] and torch.equal(seq["taps"][:, 0], layers[0][0].to(torch.bfloat16))
+    s = SeededTrainSettings(store=tmp_path / "p", out=tmp_path / "plain", steps=2, batch=4, holdout=2, rank=2)
+    plain = train_seeded(e.model, e.fingerprint, s, None)
+    tapped = SeededFastStream(e.model, SeededConfig.build(e.model.cfg.num_layers, rank=2, taps=[0]))
+    tapped.adopt(plain)
+    tokens = seq["tokens"][None]
+    hidden = seq["hidden"][None].float()
+    n = e.model.cfg.num_layers
+    kv = (cache.k[[n - 1]], cache.v[[n - 1]])
+    a = plain.forward_chain(tokens, hidden, *kv, steps=2)
+    b = tapped.forward_chain(tokens, hidden, *kv, steps=2, taps=seq["taps"][None].float())
+    assert all(torch.equal(x[-1], y[-1]) for x, y in zip(a, b, strict=True))
+    with pytest.raises(SettingsError, match="tap features"):
+        tapped.forward_chain(tokens, hidden, *kv, steps=1)
+    init = str(tmp_path / "plain" / "adapters")
+    grown = train_seeded(e.model, e.fingerprint, replace(s, store=tmp_path / "t", init=init, taps=[0]), None)
+    assert grown.cfg.taps == [0] and grown.fuse.in_features == 3 * e.model.cfg.hidden_size
+    with pytest.raises(SettingsError, match="not --taps"):
+        train_seeded(e.model, e.fingerprint, replace(s, out=tmp_path / "x", taps=[0]), None)

@@ -780,6 +780,13 @@ def _add_seeded_commands(sub: argparse._SubParsersAction) -> None:
     st.add_argument("--batch", type=int, default=8, help="sequences per base-model pass (default 8)")
     st.add_argument("--kv-layers", type=int, default=4, help="store the slow K/V of this many last layers")
     st.add_argument(
+        "--taps",
+        type=_layer_list,
+        default=[],
+        help="base layers (0-based, comma-separated) whose output residual is stored too, for `train-seeded "
+        "--taps` (default none)",
+    )
+    st.add_argument(
         "--dtype", default="fp32", choices=["fp32", "bf16"], help="base pass precision (bf16: oneDNN; faster with AMX)"
     )
     st.add_argument("--model", default=os.environ.get("M2R2_MODEL"), help="base model (default smollm2-135m)")
@@ -806,6 +813,13 @@ def _add_seeded_commands(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="layers grown onto --init run attention (over their base layer's slow cache) but no FFN: "
         "about a quarter of a layer's weights; on SmolLM2 they kept the grown layer's agreement (docs/TRAINING.md)",
+    )
+    ts.add_argument(
+        "--taps",
+        type=_layer_list,
+        default=[],
+        help="base layers (0-based, comma-separated; the store must hold them: `m2r2 store --taps`) whose output "
+        "at the last verified position joins the seed, as EAGLE-3 fuses low/mid/high features (default none)",
     )
     ts.set_defaults(func=cmd_train_seeded)
 
@@ -911,6 +925,14 @@ def _default_conversations() -> Path:
     return Path(__file__).resolve().parents[3] / "shared" / "data" / "train" / "conversations.jsonl"
 
 
+def _layer_list(text: str) -> list[int]:
+    """``--taps 7,15,23``: layer indices."""
+    try:
+        return sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer numbers, got {text!r}") from None
+
+
 def cmd_store(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -922,7 +944,9 @@ def cmd_store(args: argparse.Namespace) -> int:
         raise InputError(f"{data}: no such conversations file")
     kernel = "mkldnn" if args.dtype == "bf16" else "plain"  # q4's int4 GEMM is slow on whole sequences
     engine = Engine(args.model, dtype=args.dtype, kernel=kernel, threads=args.threads)
-    s = StoreSettings(str(data), args.max_len, args.batch, kv_layers=args.kv_layers, precision=args.dtype)
+    s = StoreSettings(
+        str(data), args.max_len, args.batch, kv_layers=args.kv_layers, precision=args.dtype, taps=args.taps
+    )
     bar = tqdm(desc="store", unit="conv", file=sys.stderr)
 
     def progress(done: int, end: int, _: float) -> None:
@@ -994,7 +1018,12 @@ def _train_from_store(args: argparse.Namespace, kind: str) -> int:
     )
     if kind == "seeded":
         s = st.SeededTrainSettings(
-            **common, depth=args.depth, rank=args.rank, chain=args.chain, attention_only=args.attention_only
+            **common,
+            depth=args.depth,
+            rank=args.rank,
+            chain=args.chain,
+            attention_only=args.attention_only,
+            taps=args.taps,
         )
         train, name = st.train_seeded, "adapters"
     elif kind == "eagle":

@@ -56,11 +56,16 @@ class SeededConfig:
     gated: list[int] = field(default_factory=list)
     #: fast layers that run attention (over the slow cache of their base layer) but no FFN
     attention_only: list[int] = field(default_factory=list)
+    #: base layers (0-based) whose output residual at the last verified position joins the seed (the
+    #: slow stream's low/mid-level features, as EAGLE-3 fuses them); none: the seed reads ``h_N`` alone
+    taps: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         for name, sub in (("gated", self.gated), ("attention-only", self.attention_only)):
             if not set(sub) <= set(self.layers):
                 raise SettingsError(f"{name} layers {sub} are not among the fast layers {self.layers}")
+        if not all(0 <= i < self.num_base_layers for i in self.taps):
+            raise SettingsError(f"taps must be base layers 0..{self.num_base_layers - 1}, got {self.taps}")
 
     @classmethod
     def build(
@@ -71,6 +76,7 @@ class SeededConfig:
         arla_dim: int = 64,
         gated: list[int] | None = None,
         attention_only: list[int] | None = None,
+        taps: list[int] | None = None,
     ) -> SeededConfig:
         if not 1 <= depth <= num_layers:
             raise SettingsError(f"seeded fast stream depth must be in 1..{num_layers}, got {depth}")
@@ -78,7 +84,13 @@ class SeededConfig:
             raise SettingsError(f"adapter rank must be >= 1, got {rank}")
         layers = list(range(num_layers - depth, num_layers))
         return cls(
-            num_layers, layers, rank, arla_dim, gated=sorted(gated or []), attention_only=sorted(attention_only or [])
+            num_layers,
+            layers,
+            rank,
+            arla_dim,
+            gated=sorted(gated or []),
+            attention_only=sorted(attention_only or []),
+            taps=sorted(taps or []),
         )
 
     @property
@@ -91,7 +103,7 @@ class SeededConfig:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        for key in ("gated", "attention_only"):  # files and checkpoints of ungrown streams keep their earlier form
+        for key in ("gated", "attention_only", "taps"):  # files of plain streams keep their earlier form
             if not d[key]:
                 del d[key]
         return d
@@ -100,9 +112,15 @@ class SeededConfig:
     def from_dict(cls, d: dict[str, Any]) -> SeededConfig:
         try:
             layers = [int(i) for i in d["layers"]]
-            gated, attn = ([int(i) for i in d.get(key, [])] for key in ("gated", "attention_only"))
+            gated, attn, taps = ([int(i) for i in d.get(key, [])] for key in ("gated", "attention_only", "taps"))
             return cls(
-                int(d["num_base_layers"]), layers, int(d["rank"]), int(d["arla_dim"]), gated=gated, attention_only=attn
+                int(d["num_base_layers"]),
+                layers,
+                int(d["rank"]),
+                int(d["arla_dim"]),
+                gated=gated,
+                attention_only=attn,
+                taps=taps,
             )
         except (KeyError, TypeError, ValueError) as e:
             raise SettingsError(f"bad seeded fast-stream config {d}: {e}") from e
@@ -205,9 +223,10 @@ class SeededFastStream(DraftHead, nn.Module):
         self.cfg = cfg
         object.__setattr__(self, "base", base)
         d = base.cfg.hidden_size
-        self.fuse = nn.Linear(2 * d, d, bias=False)
-        with torch.no_grad():  # start as h_N(t) + E(x_{t+1}): a residual the deep layer can read
-            self.fuse.weight.copy_(torch.cat([torch.eye(d), torch.eye(d)], dim=1))
+        self.fuse = nn.Linear((2 + len(cfg.taps)) * d, d, bias=False)
+        with torch.no_grad():  # start as h_N(t) + E(x_{t+1}): a residual the deep layer can read (taps: 0)
+            self.fuse.weight.zero_()
+            self.fuse.weight[:, : 2 * d].copy_(torch.cat([torch.eye(d), torch.eye(d)], dim=1))
         self.adapters = nn.ModuleList(
             LayerAdapters(base.cfg, cfg.rank, layer, layer in cfg.attention_only) for layer in cfg.layers
         )
@@ -222,9 +241,15 @@ class SeededFastStream(DraftHead, nn.Module):
     base: Transformer
 
     # ---- shared by training and inference -------------------------------------------------------
-    def seed(self, h_prev: Tensor, tokens: Tensor) -> Tensor:
-        """``f_0``: the previous position's final state (slow, or the previous draft's) fused with the token."""
-        x = torch.cat([h_prev, self.base.embed_tokens(tokens).to(h_prev.dtype)], dim=-1)
+    def seed(self, h_prev: Tensor, tokens: Tensor, taps: Tensor | None = None) -> Tensor:
+        """``f_0``: the previous position's final state (slow, or the previous draft's) fused with the token
+        (and, for a tapped stream, the last verified position's tap features ``[..., len(taps), d]``)."""
+        parts = [h_prev, self.base.embed_tokens(tokens).to(h_prev.dtype)]
+        if self.cfg.taps:
+            if taps is None:
+                raise SettingsError("this seeded stream fuses tap features into its seed; none were given")
+            parts.append(taps.flatten(-2).to(h_prev.dtype))
+        x = torch.cat(parts, dim=-1)
         if self.fuse_infer is not None:
             return self.fuse_infer(x.to(self.base.dtype))
         w = self.fuse.weight  # float32 parameters (training, or the unfolded inference form)
@@ -269,13 +294,16 @@ class SeededFastStream(DraftHead, nn.Module):
             or b.layers[-a.depth :] != a.layers
             or not set(extra) <= set(b.gated)
             or not set(a.attention_only) <= set(b.attention_only)
+            or a.taps not in ([], b.taps)
         ):
             raise SettingsError(
                 f"cannot start a seeded stream of layers {b.layers}, rank {b.rank}, gated {b.gated}, attention-only "
-                f"{b.attention_only} from one of layers {a.layers}, rank {a.rank}, attention-only {a.attention_only}"
+                f"{b.attention_only}, taps {b.taps} from one of layers {a.layers}, rank {a.rank}, attention-only "
+                f"{a.attention_only}, taps {a.taps}"
             )
-        with torch.no_grad():
-            self.fuse.weight.copy_(start.fuse.weight)
+        with torch.no_grad():  # a stream without taps: their columns stay 0, so its drafts are kept at first
+            self.fuse.weight.zero_()
+            self.fuse.weight[:, : start.fuse.in_features].copy_(start.fuse.weight)
             for j, layer in enumerate(a.layers):  # an attention-only layer takes the attention adapters alone
                 mine = self.adapters[b.layers.index(layer)].state_dict()
                 self.adapters[b.layers.index(layer)].load_state_dict(
@@ -287,12 +315,16 @@ class SeededFastStream(DraftHead, nn.Module):
                 getattr(self.arla, name).load_state_dict(getattr(start.arla, name).state_dict())
 
     # ---- training -------------------------------------------------------------------------------
-    def forward_chain(self, tokens: Tensor, hidden: Tensor, k: Tensor, v: Tensor, steps: int) -> list[list[Tensor]]:
+    def forward_chain(
+        self, tokens: Tensor, hidden: Tensor, k: Tensor, v: Tensor, steps: int, taps: Tensor | None = None
+    ) -> list[list[Tensor]]:
         """States ``[f_0 .. f_K]`` of draft steps 1..``steps`` at every position of whole sequences.
 
         ``tokens`` ``[B, T]``; ``hidden``: the slow ``h_N`` ``[B, T, d]``; ``k``/``v``: slow K/V of the
-        fast layers' base layers ``[K, B, KVH, T, D]``. Step 1 at position p is seeded by ``h_N(p-1)``,
-        step s by step s-1's final fast state at ``p-1``; its target is ``h_N(p)``.
+        fast layers' base layers ``[K, B, KVH, T, D]``; ``taps`` (tapped streams): the tap layers' outputs
+        ``[B, T, len, d]``. Step 1 at position p is seeded by ``h_N(p-1)``, step s by step s-1's final
+        fast state at ``p-1``, and both by the taps of the block's last verified position ``p-s``; its
+        target is ``h_N(p)``.
         """
         base = self.base
         t = tokens.shape[1]
@@ -300,8 +332,9 @@ class SeededFastStream(DraftHead, nn.Module):
         prev = F.pad(hidden, (0, 0, 1, 0))[:, :t]  # h_N(p-1); zeros at p = 0 (masked out of the loss)
         fast_kv: list[list[tuple[Tensor, Tensor]]] = [[] for _ in self.cfg.layers]
         out = []
-        for _ in range(steps):
-            states = [self.seed(prev, tokens)]
+        for s in range(1, steps + 1):
+            verified = None if taps is None else F.pad(taps, (0, 0, 0, 0, s, 0))[:, :t]  # taps(p - s)
+            states = [self.seed(prev, tokens, verified)]
             for j in range(self.cfg.depth):
                 blk, lora = self.layer(j)
                 f = states[-1]

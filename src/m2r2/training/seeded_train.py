@@ -78,6 +78,7 @@ class SeededTrainSettings(StoreTrainSettings):
     rank: int = 32
     chain: int = 3  # draft steps trained at each position (train-time drafting)
     attention_only: bool = False  # layers grown onto --init run attention but no FFN
+    taps: list[int] = field(default_factory=list)  # base layers whose outputs join the seed (the store's)
     align_w: float = 0.5
     arla_w: float = 0.1
 
@@ -101,6 +102,7 @@ class Trainee:
     kv_layers: list[int] = field(default_factory=list)  # base layers whose slow K/V each batch carries
     #: loads an --init module into ``module``; None: it must be of the same type and shape
     adopt: Callable[[nn.Module], None] | None = None
+    taps: list[int] = field(default_factory=list)  # base layers whose outputs each batch carries
 
 
 def pad_batch(seqs: list[dict[str, Tensor]], depth: int) -> dict[str, Tensor]:
@@ -113,6 +115,8 @@ def pad_batch(seqs: list[dict[str, Tensor]], depth: int) -> dict[str, Tensor]:
     d = seqs[0]["hidden"].shape[-1]
     hidden = torch.zeros(b, t, d)
     out = {"tokens": tokens, "valid": valid, "hidden": hidden}
+    if "taps" in seqs[0]:
+        out["taps"] = torch.zeros(b, t, *seqs[0]["taps"].shape[1:])
     if depth:
         kv_shape = seqs[0]["k"].shape  # [L, n, KVH, D]
         out["k"] = torch.zeros(depth, b, kv_shape[2], t, kv_shape[3])
@@ -121,6 +125,8 @@ def pad_batch(seqs: list[dict[str, Tensor]], depth: int) -> dict[str, Tensor]:
         n = len(s["tokens"])
         tokens[i, :n], valid[i, :n] = s["tokens"], True
         hidden[i, :n] = s["hidden"].float()
+        if "taps" in out:
+            out["taps"][i, :n] = s["taps"].float()
         if depth:
             out["k"][:, i, :, :n] = s["k"][-depth:].float().transpose(1, 2)
             out["v"][:, i, :, :n] = s["v"][-depth:].float().transpose(1, 2)
@@ -144,7 +150,8 @@ def chain_losses(stream: SeededFastStream, batch: dict[str, Tensor], chain: int)
     """Losses and per-step top-1 agreement (over the draft vocabulary) of one batch."""
     hidden, valid = batch["hidden"], batch["valid"]
     w, p, top = targets(stream, hidden)
-    out = stream.forward_chain(batch["tokens"], hidden, batch["k"], batch["v"], chain)
+    taps = batch.get("taps") if stream.cfg.taps else None
+    out = stream.forward_chain(batch["tokens"], hidden, batch["k"], batch["v"], chain, taps)
     pos = torch.arange(hidden.shape[1])
     rms = hidden.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-3)
     ce = align = arla = torch.zeros(())
@@ -203,6 +210,7 @@ def seeded_trainee(stream: SeededFastStream, chain: int, align_w: float = 0.5, a
         lambda path, fp: load_adapters(path, stream.base, fp),
         kv_layers=stream.cfg.layers,
         adopt=stream.adopt,
+        taps=stream.cfg.taps,
     )
 
 
@@ -229,7 +237,9 @@ def train_seeded(
     if s.chain < 1 or s.depth < 1:
         raise SettingsError("chain and depth must be >= 1")
     gated, attention_only = grown_layers(s)
-    cfg = SeededConfig.build(base.cfg.num_layers, s.depth, s.rank, gated=gated, attention_only=attention_only)
+    cfg = SeededConfig.build(
+        base.cfg.num_layers, s.depth, s.rank, gated=gated, attention_only=attention_only, taps=s.taps
+    )
     stream = SeededFastStream(base, cfg)
     stream.draft_vocab = draft_vocab
     train_on_store(fingerprint, s, seeded_trainee(stream, s.chain, s.align_w, s.arla_w), log)
@@ -287,6 +297,8 @@ def train_on_store(
     for store in stores:
         if depth and store.kv_layers[-depth:] != t.kv_layers:
             raise SettingsError(f"store {store.root} holds K/V of layers {store.kv_layers}, not of {t.kv_layers}")
+        if t.taps and store.taps != t.taps:
+            raise SettingsError(f"store {store.root} holds the outputs of layers {store.taps}, not --taps {t.taps}")
     seqs = [[q for i in range(len(st.shards)) for q in st.sequences(st.load_shard(i, kv=depth > 0))] for st in stores]
     held = seqs[0][: s.holdout]  # validation: the first store's first sequences
     train = seqs[0][s.holdout :] + [q for more in seqs[1:] for q in more]
@@ -407,12 +419,15 @@ def agreement(t: Trainee, seqs: list[dict[str, Tensor]], starts: list[int] | Non
 
 
 @torch.no_grad()
-def answers_store(base: Transformer, answers: list[list[int]], depth: int) -> list[dict[str, Tensor]]:
-    """Store-form sequences (slow ``h_N`` and the last ``depth`` layers' K/V) of token sequences."""
+def answers_store(
+    base: Transformer, answers: list[list[int]], depth: int, taps: list[int] | None = None
+) -> list[dict[str, Tensor]]:
+    """Store-form sequences (slow ``h_N``, the last ``depth`` layers' K/V, the ``taps`` layers' outputs)
+    of token sequences."""
     from m2r2.training.store import slow_pass
 
     n = base.cfg.num_layers
-    return [r for seq in answers for r in slow_pass(base, [seq], list(range(n - depth, n)))]
+    return [r for seq in answers for r in slow_pass(base, [seq], list(range(n - depth, n)), taps)]
 
 
 def held_out_agreement(base: Transformer, t: Trainee, sequences: list[tuple[list[int], int]]) -> list[float]:
@@ -421,5 +436,5 @@ def held_out_agreement(base: Transformer, t: Trainee, sequences: list[tuple[list
     Used with the base model's own greedy answers to eval prompts that training never saw: the
     acceptance proxy the speculative loop sees, per draft position.
     """
-    rows = answers_store(base, [toks for toks, _ in sequences], len(t.kv_layers))
+    rows = answers_store(base, [toks for toks, _ in sequences], len(t.kv_layers), t.taps)
     return agreement(t, rows, [start for _, start in sequences])

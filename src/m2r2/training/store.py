@@ -8,7 +8,8 @@ attends to over verified positions). Training then runs only the fast stream.
 
 Layout: ``DIR/manifest.json`` (base fingerprint, data file and its hash, settings, shard list) and
 ``DIR/shard-NNNNN.safetensors``, each holding ``tokens [n]``, ``offsets [S+1]`` (ragged sequences),
-``hidden [n, d]`` and ``k``/``v`` ``[L, n, kv_heads, head_dim]`` in bf16, plus the SHA-256 of each
+``hidden [n, d]``, ``k``/``v`` ``[L, n, kv_heads, head_dim]`` (and, with ``taps``, ``taps [n, len, d]``)
+in bf16, plus the SHA-256 of each
 shard in the manifest. Shards and the manifest are written atomically (temporary file + rename) and
 the manifest is rewritten after each shard, so a killed build resumes at the next unwritten
 conversation without duplicating or losing one. A store built for another base model, a shard whose
@@ -23,7 +24,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -73,11 +74,15 @@ class StoreSettings:
     #: of the base pass: bf16 (oneDNN kernels) is several times faster than fp32 on CPUs with AMX, and
     #: the store keeps bf16 states either way (measured for Qwen2.5-Coder-1.5B in docs/TRAINING.md)
     precision: str = "fp32"
+    #: base layers (0-based) whose output residual is stored too: the features a *tapped* seeded stream
+    #: fuses into its seed (:class:`m2r2.multirate.seeded.SeededConfig`)
+    taps: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        if d["precision"] == "fp32":
-            del d["precision"]  # so stores built before the option existed still resume
+        for key, default in (("precision", "fp32"), ("taps", [])):
+            if d[key] == default:
+                del d[key]  # so stores built before the option existed still resume
         return d
 
 
@@ -157,6 +162,11 @@ class TrainStore:
     def kv_layers(self) -> list[int]:
         return [int(i) for i in self.manifest["kv_layer_ids"]]
 
+    @property
+    def taps(self) -> list[int]:
+        """Base layers whose output residual each token carries (``taps [n, len, d]``)."""
+        return [int(i) for i in self.manifest.get("settings", {}).get("taps", [])]
+
     def load_shard(self, i: int, verify: bool = True, kv: bool = True) -> dict[str, Tensor]:
         """Shard ``i``'s tensors; without ``kv`` its K/V are not read (most of a shard's bytes: a drafter
         that reads only ``h_N``, Medusa heads, fits a ~4x larger store in memory)."""
@@ -176,6 +186,8 @@ class TrainStore:
         off = shard["offsets"].tolist()
         for a, b in itertools.pairwise(off):
             seq = {"tokens": shard["tokens"][a:b].long(), "hidden": shard["hidden"][a:b]}
+            if "taps" in shard:
+                seq["taps"] = shard["taps"][a:b]
             yield seq | {kv: shard[kv][:, a:b] for kv in ("k", "v") if kv in shard}
 
 
@@ -195,8 +207,11 @@ def _empty_manifest(fingerprint: str, s: StoreSettings, data_hash: str, model: T
 
 
 @torch.inference_mode()
-def slow_pass(model: Transformer, seqs: list[list[int]], kv_ids: list[int]) -> list[dict[str, Tensor]]:
-    """One batched no-grad base pass over right-padded ``seqs``: per sequence its ``h_N`` and K/V.
+def slow_pass(
+    model: Transformer, seqs: list[list[int]], kv_ids: list[int], taps: list[int] | None = None
+) -> list[dict[str, Tensor]]:
+    """One batched no-grad base pass over right-padded ``seqs``: per sequence its ``h_N``, K/V and the
+    output residuals of the ``taps`` layers (``[n, len(taps), d]``).
 
     Right padding never changes a real token's result under a causal mask, so each sequence gets
     what a pass over it alone would give (up to the kernel's batch-size rounding).
@@ -206,18 +221,20 @@ def slow_pass(model: Transformer, seqs: list[list[int]], kv_ids: list[int]) -> l
     for i, s in enumerate(seqs):
         ids[i, : len(s)] = torch.tensor(s)
     cache = model.new_cache(t, batch=b)
-    h = model.run_layers(model.embed_tokens(ids), cache, 0)
+    layers: list[Tensor] = []
+    h = model.run_layers(model.embed_tokens(ids), cache, 0, layers if taps else None)
     out = []
     for i, s in enumerate(seqs):
         n = len(s)
-        out.append(
-            {
-                "tokens": torch.tensor(s, dtype=torch.int32),
-                "hidden": h[i, :n].to(torch.bfloat16).cpu(),
-                "k": cache.k[kv_ids, i, :, :n].transpose(1, 2).to(torch.bfloat16).cpu(),  # [L, n, kvh, D]
-                "v": cache.v[kv_ids, i, :, :n].transpose(1, 2).to(torch.bfloat16).cpu(),
-            }
-        )
+        row = {
+            "tokens": torch.tensor(s, dtype=torch.int32),
+            "hidden": h[i, :n].to(torch.bfloat16).cpu(),
+            "k": cache.k[kv_ids, i, :, :n].transpose(1, 2).to(torch.bfloat16).cpu(),  # [L, n, kvh, D]
+            "v": cache.v[kv_ids, i, :, :n].transpose(1, 2).to(torch.bfloat16).cpu(),
+        }
+        if taps:
+            row["taps"] = torch.stack([layers[j][i, :n] for j in taps], dim=1).to(torch.bfloat16).cpu()
+        out.append(row)
     return out
 
 
@@ -237,6 +254,8 @@ def build_store(
     """
     if s.max_len < 8 or s.batch < 1 or s.shard_sequences < 1 or not 1 <= s.kv_layers <= model.cfg.num_layers:
         raise SettingsError("store: max_len >= 8, batch >= 1, shard_sequences >= 1, kv_layers in 1..num_layers")
+    if not all(0 <= i < model.cfg.num_layers for i in s.taps):
+        raise SettingsError(f"store: taps must be base layers 0..{model.cfg.num_layers - 1}, got {s.taps}")
     data = Path(s.data)
     data_hash = file_hash(data) if data.is_file() else ""
     out = Path(out)
@@ -268,7 +287,7 @@ def build_store(
         rows: dict[int, dict[str, Tensor]] = {}
         for j in range(0, len(idx), s.batch):
             part = idx[j : j + s.batch]
-            for i, r in zip(part, slow_pass(model, [seqs[i] for i in part], kv_ids), strict=True):
+            for i, r in zip(part, slow_pass(model, [seqs[i] for i in part], kv_ids, s.taps), strict=True):
                 rows[i] = r
         kept = [rows[i] for i in range(len(seqs)) if len(seqs[i]) >= 2]
         lengths = [len(r["tokens"]) for r in kept]
@@ -279,6 +298,8 @@ def build_store(
             "k": torch.cat([r["k"] for r in kept], dim=1).contiguous(),
             "v": torch.cat([r["v"] for r in kept], dim=1).contiguous(),
         }
+        if s.taps:
+            shard["taps"] = torch.cat([r["taps"] for r in kept])
         name = f"shard-{len(man['shards']):05d}.safetensors"
         _atomic(out / name, lambda p, sh=shard: save_file(sh, str(p), metadata={"format": FORMAT}))
         done += len(chunk)
