@@ -13,7 +13,7 @@ from tests.test_speculative import _exact_marginal, tiny_model
 
 from m2r2.decoding.autoregressive import Autoregressive
 from m2r2.decoding.base import GenerationConfig
-from m2r2.decoding.tree import TreeCosts, TreeSpeculative
+from m2r2.decoding.tree import Tree, TreeCosts, TreeSpeculative
 from m2r2.errors import InputError, SettingsError, WeightsError
 from m2r2.multirate.seeded import SeededConfig, SeededFastStream
 
@@ -489,3 +489,39 @@ def test_a_tapped_stream_starts_at_its_plain_stream_and_trains_on_the_stores_tap
     assert grown.cfg.taps == [0] and grown.fuse.in_features == 3 * e.model.cfg.hidden_size
     with pytest.raises(SettingsError, match="not --taps"):
         train_seeded(e.model, e.fingerprint, replace(s, out=tmp_path / "x", taps=[0]), None)
+
+
+def test_a_tapped_stream_drafts_with_the_verified_positions_taps_and_stays_lossless():
+    """Inference seeds a tapped stream's drafts with the tap layers' outputs at the last verified position,
+    exactly what ``forward_chain`` trains on; greedy output stays plain greedy."""
+    model = tiny_model(31, layers=4)
+    fast = SeededFastStream(model, SeededConfig.build(4, depth=1, rank=4, taps=[0, 2]))
+    with torch.no_grad():
+        for p in fast.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(3)) * 0.1)
+    fast.freeze(merge=False)
+    tokens = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(0))
+    cache, layers = model.new_cache(12), []
+    hidden = model.run_layers(model.embed_tokens(tokens), cache, 0, layers)
+    taps = torch.stack([layers[0], layers[2]], dim=2)  # [1, T, 2, d]
+    chain = fast.forward_chain(tokens, hidden, cache.k[[3]], cache.v[[3]], steps=1, taps=taps)
+    strat = TreeSpeculative("m2r2", model, fast, [], None, 6, 3, 2, 2)
+    seen = []
+    step = fast.step
+    fast.step = lambda *a: seen.append(a[-1]) or step(*a)  # type: ignore[method-assign]
+    slow = cache.k.clone(), cache.v.clone()
+    for p in (4, 9):
+        cache.k.copy_(slow[0]), cache.v.copy_(slow[1])  # drafts write their fast K/V past the verified slots
+        cache.length = p
+        state = strat.seed_state(hidden, layers, p - 1)  # the last verified position's final state and taps
+        assert state.shape[-1] == 3 * model.cfg.hidden_size
+        strat.drafter.start(state, cache, p)
+        f = strat.drafter._level(Tree([int(tokens[0, p])], [-1], [0], [1.0], [None]), [0])
+        assert torch.equal(seen[-1][0, 0], taps[0, p - 1])
+        assert torch.allclose(f[0], chain[0][-1][0, p], atol=1e-4)
+    fast.step = step  # type: ignore[method-assign]
+    rng = random.Random(31)
+    for _ in range(3):
+        prompt = [rng.randrange(64) for _ in range(rng.randint(1, 20))]
+        gen = GenerationConfig(max_new_tokens=rng.randint(1, 40))
+        assert strat.generate(prompt, gen).tokens == Autoregressive(model, []).generate(prompt, gen).tokens

@@ -142,6 +142,7 @@ def begin(
     decode: Callable[[list[int]], str] | None,
     last_hidden: list[Tensor] | None = None,
     new_cache: Callable[[int], KVCache] | None = None,
+    layers: list[Tensor] | None = None,
 ) -> tuple[float, Stopper, KVCache, Tensor]:
     """The start every strategy shares: check settings and prompt, start the clock, set up stopping,
     allocate the cache at the common capacity and prefill the prompt.
@@ -152,7 +153,8 @@ def begin(
     state of the prompt's last position (``[1, 1, d]``; seeded drafters start from it), then that of
     every prompt position (``[1, n, d]``; EAGLE's cache takes them in).
     ``new_cache`` allocates the cache of a given capacity (default ``model.new_cache``; the server
-    lends pooled ones).
+    lends pooled ones). ``layers``, with ``last_hidden``, receives every block's output over the prompt
+    (a tapped seeded stream reads some of them).
     """
     gen.validate()
     ctx = model.cfg.max_position_embeddings
@@ -163,7 +165,7 @@ def begin(
     tokens = torch.tensor([prompt], device=model.device)
     if last_hidden is None:  # through ``model(...)``: wrappers that hook each forward pass see it
         return t0, stopper, cache, model(tokens, cache, 0, last_only=True)
-    h = model.run_layers(model.embed_tokens(tokens), cache, 0)
+    h = model.run_layers(model.embed_tokens(tokens), cache, 0, layers)
     last_hidden += [h[:, -1:], h]
     return t0, stopper, cache, model.head(h[:, -1:])
 

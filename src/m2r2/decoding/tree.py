@@ -181,10 +181,21 @@ class SeededDrafter:
     def __init__(self, fast: SeededFastStream) -> None:
         self.fast = self.module = fast
         self.layers_per_level = fast.cfg.depth
+        #: base layers whose outputs at the last verified position a tapped stream fuses into its seeds
+        self.taps = fast.cfg.taps
 
     def start(self, h_last: Tensor, cache: KVCache, verified: int) -> None:
+        """``h_last``: ``[1, 1, d]``, for a tapped stream ``[1, 1, (1 + len(taps)) d]`` (the final state,
+        then the taps: :meth:`TreeSpeculative.seed_state`); a plain-width one (after the server's batched
+        step, which keeps no layer outputs) seeds with zero taps until the next verify pass."""
         self.cache, self.verified = cache, verified
-        self.seeds: dict[int, Tensor] = {-1: h_last[0, 0]}  # node -> the fast state its children start from
+        d = self.fast.base.cfg.hidden_size
+        state = h_last[0, 0]
+        self.tap_feats = None
+        if self.taps:
+            n = len(self.taps)
+            self.tap_feats = state[d:].view(n, d) if state.shape[0] > d else state.new_zeros(n, d)
+        self.seeds: dict[int, Tensor] = {-1: state[:d]}  # node -> the fast state its children start from
         self.kv_rows: list[int] = []  # tree node of each fast K/V row so far (in the cache's free slots)
 
     def _level(self, tree: Tree, frontier: list[int]) -> Tensor:
@@ -195,7 +206,8 @@ class SeededDrafter:
         tokens = torch.tensor([[tree.tokens[r] for r in frontier]], device=dev)
         seeds = torch.stack([self.seeds[tree.parents[r]] for r in frontier])[None]
         drafted = len(self.kv_rows)
-        states = self.fast.step(seeds, tokens, positions, self.cache, self.verified, drafted, vis.to(dev))
+        taps = None if self.tap_feats is None else self.tap_feats.expand(1, len(frontier), *self.tap_feats.shape)
+        states = self.fast.step(seeds, tokens, positions, self.cache, self.verified, drafted, vis.to(dev), taps)
         self.kv_rows = rows
         f = states[-1][0]
         self.seeds.update(zip(frontier, f, strict=True))
@@ -244,6 +256,21 @@ class TreeSpeculative:
         #: fast stream (is kept even where the full model disagrees); None or >= 1: lossless
         self.exit_threshold = exit_threshold if exit_threshold is not None and exit_threshold < 1 else None
         self.last_cache: KVCache | None = None
+
+    @property
+    def taps(self) -> list[int]:
+        """Base layers whose outputs the drafter fuses into its seeds (a tapped seeded stream), else []."""
+        return list(getattr(self.drafter, "taps", []))
+
+    def seed_state(self, h: Tensor, layers: list[Tensor] | None, i: int) -> Tensor:
+        """What the next tree starts from, for row ``i`` of a pass's final states ``h`` ``[1, T, d]``: that
+        row's state ``[1, 1, d]``, followed for a tapped drafter by the row's outputs of its tap layers
+        (``layers``: every block's output of the pass)."""
+        row = [h[:, i : i + 1]]
+        if self.taps:
+            assert layers is not None
+            row += [layers[j][:, i : i + 1] for j in self.taps]
+        return torch.cat(row, dim=-1) if len(row) > 1 else row[0]
 
     # ---- drafting -------------------------------------------------------------------------------
     def draft(
@@ -330,11 +357,20 @@ class TreeSpeculative:
             raise SettingsError(f"{self.name} decodes greedily only (temperature 0); it is lossy by design")
         model = self.model
         hidden: list[Tensor] = []
-        t0, stopper, cache, logits = begin(model, prompt, gen, self.eos_ids, self.decode, hidden)  # type: ignore[arg-type]
+        layers: list[Tensor] | None = [] if self.taps else None
+        t0, stopper, cache, logits = begin(
+            model,
+            prompt,
+            gen,
+            self.eos_ids,
+            self.decode,  # type: ignore[arg-type]
+            hidden,
+            layers=layers,
+        )
         sampler = Sampler(gen, model.device)
         self.last_cache = cache
         state = self.make_drafter(cache)
-        state.h_last = hidden[0]
+        state.h_last = self.seed_state(hidden[1], layers, len(prompt) - 1)
         self.prefilled(state, cache, hidden[1], prompt)
         tok = sampler(logits[0, -1])
         emitted = [tok]
@@ -424,13 +460,14 @@ class TreeSpeculative:
             rows = self.choose(tree, room, state.calib, steps) if gen.greedy else self._chain(tree, room)
         n_rows = len(rows)
         ids = torch.tensor([[tree.tokens[r] for r in rows]], device=model.device)
+        layers: list[Tensor] | None = [] if self.taps else None
         if n_rows == 1 or _is_chain(tree, rows):
-            h = model.run_layers(model.embed_tokens(ids), cache, verified)
+            h = model.run_layers(model.embed_tokens(ids), cache, verified, layers)
         else:
             positions = torch.tensor([verified + tree.depths[r] for r in rows], device=model.device)
             vis = tree.ancestors(rows)
             mask = torch.cat([torch.ones(n_rows, verified, dtype=torch.bool), vis], dim=1).to(model.device)
-            h = model.run_layers(model.embed_tokens(ids), cache, verified, positions=positions, mask=mask)
+            h = model.run_layers(model.embed_tokens(ids), cache, verified, layers, positions=positions, mask=mask)
         out = head_argmax(model, h)[0] if gen.greedy else model.head(h)[0]
         lossy = self.exit_threshold if gen.greedy else None  # sampled requests (the server's) stay exact
         path, nxt = self._accept(tree, rows, out, gen, sampler, lossy)
@@ -457,7 +494,7 @@ class TreeSpeculative:
             idx = torch.tensor([rows.index(r) for r in path[:-1]], dtype=torch.long, device=h.device)
             feats = torch.cat([state.h_last.reshape(1, -1), h[0].index_select(0, idx)])
             observe(cache, feats, [tree.tokens[r] for r in path], verified - 1)
-        state.h_last = h[:, rows.index(path[-1])][:, None]
+        state.h_last = self.seed_state(h, layers, rows.index(path[-1]))
         self._account(state, time.perf_counter() - started, n, n_rows, steps)
         return [*[tree.tokens[r] for r in path[1:]], nxt], n, n_rows - 1, accept_rate
 

@@ -378,12 +378,14 @@ class SeededFastStream(DraftHead, nn.Module):
         verified_len: int,
         drafted: int,
         fast_mask: Tensor,
+        taps: Tensor | None = None,
     ) -> list[Tensor]:
         """Draft ``n`` nodes at once (``tokens`` ``[1, n]`` at RoPE ``positions`` ``[n]``); returns the states.
 
         Each node attends the slow cache ``0..verified_len-1`` of the fast layer's base layer and the
         fast keys of earlier draft nodes plus its own, as ``fast_mask`` (``[n, drafted + n]``) allows
-        (a chain: all earlier; a tree: its ancestors). The fast K/V of draft nodes live in that cache's
+        (a chain: all earlier; a tree: its ancestors); ``taps`` ``[1, n, len, d]``: a tapped stream's tap
+        features of the last verified position. The fast K/V of draft nodes live in that cache's
         free slots ``verified_len..``, after the ``drafted`` rows of earlier levels: scratch that the
         verify pass overwrites, so a level attends one cache view and copies no keys.
         """
@@ -392,7 +394,7 @@ class SeededFastStream(DraftHead, nn.Module):
         n, at = tokens.shape[1], verified_len + drafted
         mask = torch.ones(n, at + n, dtype=torch.bool, device=fast_mask.device)
         mask[:, verified_len:] = fast_mask
-        states = [self.seed(h_prev.to(base.dtype), tokens).to(base.dtype)]
+        states = [self.seed(h_prev.to(base.dtype), tokens, taps).to(base.dtype)]
         for j, layer in enumerate(self.cfg.layers):
             blk, lora = self.layer(j)
             f = states[-1]

@@ -1,0 +1,49 @@
+"""Where an `m2r2` pass's time goes: the base model's layers timed per pass size (rows, tree mask or not)
+inside real `m2r2` and `vanilla` generation on MT-Bench first turns, after a warm-up.
+
+    python experiments/pass_sizes.py [PROMPTS]
+"""
+
+import collections
+import statistics
+import sys
+import time
+
+from m2r2.bench.datasets import load_dataset
+from m2r2.decoding.base import GenerationConfig
+from m2r2.engine import Engine
+
+n_prompts = int(sys.argv[1]) if len(sys.argv) > 1 else 8
+engine = Engine(threads=1, quiet=True)
+model = engine.model
+prompts = load_dataset("mt_bench", n_prompts).prompts
+ids = [engine.tokenizer.encode_chat([{"role": "user", "content": p.turns[0]}]) for p in prompts]
+gen = GenerationConfig(max_new_tokens=128)
+for method in ("vanilla", "m2r2"):
+    engine.generate_ids(ids[0], method, gen)  # warm-up (and the tree's cost measurement)
+times: dict[tuple[int, bool], list[float]] = collections.defaultdict(list)
+run_layers = model.run_layers
+
+
+def timed(x, cache, start, hidden=None, stop=None, positions=None, mask=None):
+    t = time.perf_counter()
+    h = run_layers(x, cache, start, hidden, stop, positions=positions, mask=mask)
+    times[(x.shape[1], mask is not None)].append(time.perf_counter() - t)
+    return h
+
+
+model.run_layers = timed
+print(f"{engine.kernel} kernel, 1 thread, {n_prompts - 1} prompts timed")
+for method in ("vanilla", "m2r2"):
+    times.clear()
+    t0, tokens = time.perf_counter(), 0
+    for prompt in ids[1:]:
+        tokens += len(engine.generate_ids(prompt, method, gen).tokens)
+    elapsed = time.perf_counter() - t0
+    passes = sum(len(v) for k, v in times.items() if k[0] < 40)  # prefills excluded
+    layers = sum(sum(v) for k, v in times.items() if k[0] < 40)
+    print(f"{method}: {tokens / elapsed:.1f} tok/s, {passes} passes, layers {layers / elapsed:.2f} of the time")
+    for (rows, tree), v in sorted(times.items()):
+        if rows < 40:
+            kind = " (tree mask)" if tree else ""
+            print(f"  {rows:2d} rows{kind}: {len(v)} passes, median {statistics.median(v) * 1e3:.2f} ms")
