@@ -28,6 +28,7 @@
 //   8-bit qbytes : int8 [N/64, K/2, 128] in lane order.
 //          scales : half [N/64, K/32, 1, 64]: per group the 64 steps d.
 #include <ATen/Parallel.h>
+#include <type_traits>
 #include <immintrin.h>
 #include <torch/extension.h>
 
@@ -91,15 +92,16 @@ inline void configure(int rows) {
 }
 
 // Sums of q * x for one group with VDPBF16PS: c[i][col] for ROWS rows starting at x (row stride K),
-// the group's inputs at x + 32 g. Each (row, 16-column quarter) sums its 16 input pairs in order.
-template <int ROWS>
-inline void dot_group(const at::BFloat16* w, const at::BFloat16* x, int64_t K, float* c) {
+// the group's inputs at x + 32 g. load(p, wv) puts input pair p's weights for the 64 columns into four
+// registers (16 columns x 2 inputs each); each (row, 16-column quarter) sums its 16 pairs in order.
+template <int ROWS, typename Load>
+inline void dot_rows(Load&& load, const at::BFloat16* x, int64_t K, float* c) {
   __m512 s[ROWS][4];
   for (int r = 0; r < ROWS; ++r)
     for (int t = 0; t < 4; ++t) s[r][t] = _mm512_setzero_ps();
   for (int p = 0; p < 16; ++p) {
     __m512bh wv[4];
-    for (int t = 0; t < 4; ++t) wv[t] = (__m512bh)_mm512_load_si512(w + p * 2 * NB + 32 * t);
+    load(p, wv);
     for (int r = 0; r < ROWS; ++r) {
       const __m512bh xb = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x + r * K + 2 * p));
       for (int t = 0; t < 4; ++t) s[r][t] = _mm512_dpbf16_ps(s[r][t], wv[t], xb);
@@ -109,30 +111,44 @@ inline void dot_group(const at::BFloat16* w, const at::BFloat16* x, int64_t K, f
     for (int t = 0; t < 4; ++t) _mm512_store_ps(c + r * NB + 16 * t, s[r][t]);
 }
 
+// An unpacked group (the 8-bit head): the weights as they lie in the buffer.
+template <int ROWS>
+inline void dot_group(const at::BFloat16* w, const at::BFloat16* x, int64_t K, float* c) {
+  dot_rows<ROWS>(
+      [w](int p, __m512bh* wv) {
+        for (int t = 0; t < 4; ++t) wv[t] = (__m512bh)_mm512_load_si512(w + p * 2 * NB + 32 * t);
+      },
+      x, K, c);
+}
+
 // The same sums straight from 4-bit bytes packed for this path (no unpacked buffer): 32 little-endian
 // words per input pair, nibble n of word i being lane 32n + i, so (word >> 4n) & 0xF | 0x4300 is the
 // bf16 of 128 + q for 16 columns at once (one shift and one ternary-logic op per 32 weights, against
 // four byte shuffles, interleaves and stores). The caller takes 128 * sum(x) off each sum.
 template <int ROWS>
 inline void dot_group_offset(const uint8_t* q, const at::BFloat16* x, int64_t K, float* c) {
-  const __m512i low4 = _mm512_set1_epi16(0x000F), offset = _mm512_set1_epi16(0x4300);  // bf16(128) = 0x4300
-  __m512 s[ROWS][4];
-  for (int r = 0; r < ROWS; ++r)
-    for (int t = 0; t < 4; ++t) s[r][t] = _mm512_setzero_ps();
-  for (int p = 0; p < 16; ++p) {
-    const __m512i words = _mm512_loadu_si512(q + p * NB);
-    __m512bh wv[4];
-    wv[0] = (__m512bh)_mm512_ternarylogic_epi32(words, low4, offset, 0xEA);  // (a & b) | c
-    wv[1] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(words, 4), low4, offset, 0xEA);
-    wv[2] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(words, 8), low4, offset, 0xEA);
-    wv[3] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(words, 12), low4, offset, 0xEA);
-    for (int r = 0; r < ROWS; ++r) {
-      const __m512bh xb = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x + r * K + 2 * p));
-      for (int t = 0; t < 4; ++t) s[r][t] = _mm512_dpbf16_ps(s[r][t], wv[t], xb);
-    }
+  dot_rows<ROWS>(
+      [q](int p, __m512bh* wv) {
+        const __m512i low4 = _mm512_set1_epi16(0x000F), offset = _mm512_set1_epi16(0x4300);  // bf16(128)
+        const __m512i words = _mm512_loadu_si512(q + p * NB);
+        for (int t = 0; t < 4; ++t)  // (a & b) | c of the word shifted to nibble t
+          wv[t] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(words, 4 * t), low4, offset, 0xEA);
+      },
+      x, K, c);
+}
+
+// f(n, i) for the rows i..i+n-1 of a pass: n = 4 while four are left, then the remainder (n a
+// compile-time std::integral_constant, so the dot products keep their accumulators in registers)
+template <typename F>
+inline void by_fours(int rows, F&& f) {
+  int i = 0;
+  for (; i + 4 <= rows; i += 4) f(std::integral_constant<int, 4>{}, i);
+  switch (rows - i) {
+    case 3: f(std::integral_constant<int, 3>{}, i); break;
+    case 2: f(std::integral_constant<int, 2>{}, i); break;
+    case 1: f(std::integral_constant<int, 1>{}, i); break;
+    default: break;
   }
-  for (int r = 0; r < ROWS; ++r)
-    for (int t = 0; t < 4; ++t) _mm512_store_ps(c + r * NB + 16 * t, s[r][t]);
 }
 
 // y[M, N] (bf16) = x[M, K] (bf16) @ W^T for the packed W [N, K] of BITS-bit integers, the products
@@ -207,27 +223,14 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor qbytes, torch::Tensor scales
             _tile_loadd(6, wg + 96, 2 * NB * sizeof(at::BFloat16));
             _tile_dpbf16ps(2, 4, 5);
             _tile_dpbf16ps(3, 4, 6);
-          } else if constexpr (OFFSET) {
+          } else {  // AVX512: rows four at a time, then the rest (each row sums in the same order either way)
             const at::BFloat16* xg = xp + m0 * K + g * 32;
-            const uint8_t* qg = qb + g * group_bytes<BITS>;
-            int i = 0;
-            for (; i + 4 <= rows; i += 4) dot_group_offset<4>(qg, xg + i * K, K, c + i * NB);
-            switch (rows - i) {
-              case 3: dot_group_offset<3>(qg, xg + i * K, K, c + i * NB); break;
-              case 2: dot_group_offset<2>(qg, xg + i * K, K, c + i * NB); break;
-              case 1: dot_group_offset<1>(qg, xg + i * K, K, c + i * NB); break;
-              default: break;
-            }
-          } else {
-            const at::BFloat16* xg = xp + m0 * K + g * 32;
-            int i = 0;
-            for (; i + 4 <= rows; i += 4) dot_group<4>(wg, xg + i * K, K, c + i * NB);
-            switch (rows - i) {
-              case 3: dot_group<3>(wg, xg + i * K, K, c + i * NB); break;
-              case 2: dot_group<2>(wg, xg + i * K, K, c + i * NB); break;
-              case 1: dot_group<1>(wg, xg + i * K, K, c + i * NB); break;
-              default: break;
-            }
+            by_fours(rows, [&](auto n, int i) {
+              if constexpr (OFFSET)
+                dot_group_offset<decltype(n)::value>(qb + g * group_bytes<BITS>, xg + i * K, K, c + i * NB);
+              else
+                dot_group<decltype(n)::value>(wg, xg + i * K, K, c + i * NB);
+            });
           }
           if (g + 1 < groups) {  // while AMX works: prefetch ahead, unpack the next group
             // (past the block's end: the next block's first groups; the hardware prefetcher alone
