@@ -525,3 +525,29 @@ def test_a_tapped_stream_drafts_with_the_verified_positions_taps_and_stays_lossl
         prompt = [rng.randrange(64) for _ in range(rng.randint(1, 20))]
         gen = GenerationConfig(max_new_tokens=rng.randint(1, 40))
         assert strat.generate(prompt, gen).tokens == Autoregressive(model, []).generate(prompt, gen).tokens
+
+
+def test_bad_taps_are_refused_before_any_work(tmp_path, tiny_model, capsys):
+    """``--taps`` that is not a list of layer numbers is a usage error; taps outside the model's layers are
+    refused by the store (before its base pass) and by a stream's config."""
+    from m2r2.cli import main
+    from m2r2.engine import Engine
+    from m2r2.training.store import StoreSettings, build_store, chat_encoder
+
+    with pytest.raises(SystemExit) as exc:
+        main(["store", "--taps", "7,x", "--out", str(tmp_path / "s")])
+    assert exc.value.code == 2 and "comma-separated layer numbers" in capsys.readouterr().err
+    e = Engine(str(tiny_model(0)), dtype="fp32", quiet=True)
+    conv = tmp_path / "conv.jsonl"
+    _conversations(conv, 2)
+    with pytest.raises(SettingsError, match="taps must be base layers"):
+        build_store(
+            e.model,
+            e.fingerprint,
+            chat_encoder(e.tokenizer),
+            tmp_path / "s",
+            StoreSettings(str(conv), kv_layers=1, taps=[99]),
+        )
+    assert not (tmp_path / "s" / "manifest.json").exists()
+    with pytest.raises(SettingsError, match="taps must be base layers"):
+        SeededConfig.build(4, taps=[4])

@@ -50,16 +50,15 @@ def batches_exactly(kind: str, out_features: int, in_features: int, dtype: torch
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(out_features, in_features, generator=gen).to(dtype)
     packed = torch.ops.mkldnn._reorder_linear_weight(w, batch_size=1) if kind == "packed" else None
-    native = kind in NATIVE_KERNELS or kind.replace("q8", "q4") in NATIVE_KERNELS
-    if native:
+    products = NATIVE_KERNELS.get(kind.replace("q8", "q4"))  # the C++ kernels' 4- and 8-bit layers
+    if products is not None:
         lin = nn.Linear(in_features, out_features, bias=False)
         with torch.no_grad():
             lin.weight.copy_(w.float() * 0.05)
-        products = kind.split("-")[1]
         native_layer = (AmxInt4Linear if kind.startswith("q4") else AmxInt8Linear)(lin, products=products)
 
     def run(x: Tensor) -> Tensor:
-        if native:
+        if products is not None:
             return native_layer(x)
         if packed is None:
             return F.linear(x, w)

@@ -105,9 +105,9 @@ class Trainee:
     taps: list[int] = field(default_factory=list)  # base layers whose outputs each batch carries
 
 
-def pad_batch(seqs: list[dict[str, Tensor]], depth: int) -> dict[str, Tensor]:
+def pad_batch(seqs: list[dict[str, Tensor]], depth: int, taps: bool = False) -> dict[str, Tensor]:
     """Right-pad store sequences to one length; ``valid`` marks real positions; K/V of the last ``depth``
-    stored layers (none for 0)."""
+    stored layers (none for 0); with ``taps``, the stored tap layers' outputs."""
     t = max(len(s["tokens"]) for s in seqs)
     b = len(seqs)
     tokens = torch.zeros(b, t, dtype=torch.long)
@@ -115,7 +115,7 @@ def pad_batch(seqs: list[dict[str, Tensor]], depth: int) -> dict[str, Tensor]:
     d = seqs[0]["hidden"].shape[-1]
     hidden = torch.zeros(b, t, d)
     out = {"tokens": tokens, "valid": valid, "hidden": hidden}
-    if "taps" in seqs[0]:
+    if taps:
         out["taps"] = torch.zeros(b, t, *seqs[0]["taps"].shape[1:])
     if depth:
         kv_shape = seqs[0]["k"].shape  # [L, n, KVH, D]
@@ -125,7 +125,7 @@ def pad_batch(seqs: list[dict[str, Tensor]], depth: int) -> dict[str, Tensor]:
         n = len(s["tokens"])
         tokens[i, :n], valid[i, :n] = s["tokens"], True
         hidden[i, :n] = s["hidden"].float()
-        if "taps" in out:
+        if taps:
             out["taps"][i, :n] = s["taps"].float()
         if depth:
             out["k"][:, i, :, :n] = s["k"][-depth:].float().transpose(1, 2)
@@ -150,8 +150,7 @@ def chain_losses(stream: SeededFastStream, batch: dict[str, Tensor], chain: int)
     """Losses and per-step top-1 agreement (over the draft vocabulary) of one batch."""
     hidden, valid = batch["hidden"], batch["valid"]
     w, p, top = targets(stream, hidden)
-    taps = batch.get("taps") if stream.cfg.taps else None
-    out = stream.forward_chain(batch["tokens"], hidden, batch["k"], batch["v"], chain, taps)
+    out = stream.forward_chain(batch["tokens"], hidden, batch["k"], batch["v"], chain, batch.get("taps"))
     pos = torch.arange(hidden.shape[1])
     rms = hidden.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-3)
     ce = align = arla = torch.zeros(())
@@ -351,7 +350,7 @@ def train_on_store(
     while step < s.steps and not (s.minutes and time.perf_counter() - t0 > s.minutes * 60):
         epoch, k = divmod(step, per_epoch)
         order = torch.randperm(len(train), generator=torch.Generator().manual_seed(s.seed * 100003 + epoch))
-        batch = pad_batch([train[i] for i in order[k * s.batch : (k + 1) * s.batch].tolist()], depth)
+        batch = pad_batch([train[i] for i in order[k * s.batch : (k + 1) * s.batch].tolist()], depth, bool(t.taps))
         for g in opt.param_groups:
             g["lr"] = _lr(step, s)
         with torch.autocast(module.base.device.type, dtype=torch.bfloat16, enabled=s.bf16):
@@ -406,7 +405,7 @@ def agreement(t: Trainee, seqs: list[dict[str, Tensor]], starts: list[int] | Non
     hits: list[float] = []
     total: list[int] = []
     for i in range(0, len(seqs), 16):
-        batch = pad_batch(seqs[i : i + 16], len(t.kv_layers))
+        batch = pad_batch(seqs[i : i + 16], len(t.kv_layers), bool(t.taps))
         for j, start in enumerate((starts or [])[i : i + 16]):
             batch["valid"][j, :start] = False  # the prompt is not drafted
         out = t.losses(batch)
