@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+import torch.nn.functional as F
 from tests.test_speculative import _exact_marginal, tiny_model
 
 from m2r2.decoding.autoregressive import Autoregressive
@@ -374,7 +375,7 @@ def test_certified_head_argmax_equals_row_by_row_argmax(kernel):
 @pytest.mark.parametrize("bf16", [False, True])
 def test_store_takes_the_models_own_answers_and_training_reads_several_stores(tmp_path, tiny_model, bf16):
     from m2r2.engine import Engine
-    from m2r2.training.seeded_train import SeededTrainSettings, train_seeded
+    from m2r2.training.seeded_train import SeededTrainSettings, chain_losses, pad_batch, targets, train_seeded
     from m2r2.training.store import StoreSettings, TrainStore, build_store, chat_encoder
 
     e = Engine(str(tiny_model(0)), dtype="fp32", quiet=True)
@@ -424,6 +425,18 @@ def test_store_takes_the_models_own_answers_and_training_reads_several_stores(tm
     assert lean.cfg.attention_only == [n - 2] and lean.cfg.gated == [n - 2]
     with pytest.raises(SettingsError, match="--attention-only"):
         train_seeded(e.model, e.fingerprint, replace(s, out=tmp_path / "x", attention_only=True), None)
+    # the hard top-1 term is the cross-entropy on the full model's top token at every drafted position
+    batch = pad_batch(list(b.sequences(b.load_shard(0))), 1)
+    out = chain_losses(stream, batch, 1)
+    w, _, top = targets(stream, batch["hidden"])
+    states = stream.forward_chain(batch["tokens"], batch["hidden"], batch["k"], batch["v"], 1)
+    m = batch["valid"] & (torch.arange(batch["tokens"].shape[1]) >= 1)
+    logits = F.linear(stream.base.norm(states[0][-1]), w)
+    assert torch.allclose(out["top1"], F.cross_entropy(logits[m], top[m]))
+    hard = train_seeded(e.model, e.fingerprint, replace(s, out=tmp_path / "hard", top1_w=1.0, align_w=0.0), None)
+    assert isinstance(hard, SeededFastStream)
+    with pytest.raises(SettingsError, match="loss weights"):
+        train_seeded(e.model, e.fingerprint, replace(s, out=tmp_path / "y", top1_w=-1.0), None)
 
 
 @pytest.mark.parametrize("kernel", ["plain", "mkldnn"])

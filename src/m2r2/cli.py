@@ -821,6 +821,18 @@ def _add_seeded_commands(sub: argparse._SubParsersAction) -> None:
         help="base layers (0-based, comma-separated; the store must hold them: `m2r2 store --taps`) whose output "
         "at the last verified position joins the seed, as EAGLE-3 fuses low/mid/high features (default none)",
     )
+    ts.add_argument(
+        "--align-w",
+        type=float,
+        default=0.5,
+        help="weight of the smooth-L1 alignment of the fast state to the full model's (default 0.5)",
+    )
+    ts.add_argument(
+        "--top1-w",
+        type=float,
+        default=0.0,
+        help="weight of a hard cross-entropy on the full model's top-1 token beside the soft one (default 0)",
+    )
     ts.set_defaults(func=cmd_train_seeded)
 
     tmd = sub.add_parser(
@@ -1024,6 +1036,8 @@ def _train_from_store(args: argparse.Namespace, kind: str) -> int:
             chain=args.chain,
             attention_only=args.attention_only,
             taps=args.taps,
+            align_w=args.align_w,
+            top1_w=args.top1_w,
         )
         train, name = st.train_seeded, "adapters"
     elif kind == "eagle":

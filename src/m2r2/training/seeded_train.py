@@ -81,6 +81,9 @@ class SeededTrainSettings(StoreTrainSettings):
     taps: list[int] = field(default_factory=list)  # base layers whose outputs join the seed (the store's)
     align_w: float = 0.5
     arla_w: float = 0.1
+    #: weight of a hard cross-entropy on the full model's top-1 token (over the draft vocabulary) beside the
+    #: soft one: greedy verification accepts only the top-1, the soft target also spends capacity on the tail
+    top1_w: float = 0.0
 
 
 @dataclass
@@ -153,20 +156,23 @@ def chain_losses(stream: SeededFastStream, batch: dict[str, Tensor], chain: int)
     out = stream.forward_chain(batch["tokens"], hidden, batch["k"], batch["v"], chain, batch.get("taps"))
     pos = torch.arange(hidden.shape[1])
     rms = hidden.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-3)
-    ce = align = arla = torch.zeros(())
+    ce = hard = align = arla = torch.zeros(())
     agree, counts = [], []
     for s, states in enumerate(out, start=1):
         m = valid & (pos >= s)[None, :]
         f = states[-1]
         logits = F.linear(stream.base.norm(f), w)
-        ce = ce + _mean(-(p * logits.log_softmax(-1)).sum(-1), m)
+        logp = logits.log_softmax(-1)
+        ce = ce + _mean(-(p * logp).sum(-1), m)
+        hard = hard + _mean(-logp.gather(-1, top[..., None])[..., 0], m)
         align = align + _mean(F.smooth_l1_loss((f - hidden) / rms, torch.zeros_like(f), reduction="none").mean(-1), m)
         hit = logits.argmax(-1) == top
         counts.append(int(m.sum()))
         agree.append(int(hit[m].sum()) / max(counts[-1], 1))
         z = stream.arla([x.detach() for x in states], stream.cfg.depth)
         arla = arla + F.binary_cross_entropy_with_logits(z[m], hit[m].float())
-    return {"ce": ce / chain, "align": align / chain, "arla": arla / chain, "agree": agree, "counts": counts}
+    n = chain
+    return {"ce": ce / n, "top1": hard / n, "align": align / n, "arla": arla / n, "agree": agree, "counts": counts}
 
 
 def medusa_losses(heads: MedusaHeads, batch: dict[str, Tensor]) -> dict[str, Any]:
@@ -195,12 +201,15 @@ def _lr(step: int, s: StoreTrainSettings) -> float:
     return s.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
-def seeded_trainee(stream: SeededFastStream, chain: int, align_w: float = 0.5, arla_w: float = 0.1) -> Trainee:
+def seeded_trainee(
+    stream: SeededFastStream, chain: int, align_w: float = 0.5, arla_w: float = 0.1, top1_w: float = 0.0
+) -> Trainee:
     from m2r2.multirate.io import load_adapters, save_adapters
 
     def losses(batch: dict[str, Tensor]) -> dict[str, Any]:
         out = chain_losses(stream, batch, chain)
-        return {"loss": out["ce"] + align_w * out["align"] + arla_w * out["arla"], **out}
+        loss = out["ce"] + top1_w * out["top1"] + align_w * out["align"] + arla_w * out["arla"]
+        return {"loss": loss, **out}
 
     return Trainee(
         stream,
@@ -235,13 +244,15 @@ def train_seeded(
     """Train (or resume) a seeded fast stream on the store at ``s.store``; writes checkpoints and adapters."""
     if s.chain < 1 or s.depth < 1:
         raise SettingsError("chain and depth must be >= 1")
+    if min(s.align_w, s.arla_w, s.top1_w) < 0:
+        raise SettingsError("loss weights (--align-w, --top1-w) must be >= 0")
     gated, attention_only = grown_layers(s)
     cfg = SeededConfig.build(
         base.cfg.num_layers, s.depth, s.rank, gated=gated, attention_only=attention_only, taps=s.taps
     )
     stream = SeededFastStream(base, cfg)
     stream.draft_vocab = draft_vocab
-    train_on_store(fingerprint, s, seeded_trainee(stream, s.chain, s.align_w, s.arla_w), log)
+    train_on_store(fingerprint, s, seeded_trainee(stream, s.chain, s.align_w, s.arla_w, s.top1_w), log)
     return stream
 
 

@@ -1,0 +1,72 @@
+"""Where an `m2r2` round's wall clock goes, part by part, inside real greedy generation on MT-Bench
+first turns (1 thread, after a warm-up): drafting the tree, choosing its rows, the verify pass's
+layers, its head, accepting, compacting the cache, and the rest of the round (Python around them).
+`vanilla` is timed the same way for its one-token steps.
+
+    python experiments/round_parts.py [PROMPTS] [FIRST]
+"""
+
+import collections
+import sys
+import time
+
+from m2r2.bench.datasets import load_dataset
+from m2r2.cache import KVCache
+from m2r2.decoding import tree as tree_mod
+from m2r2.decoding.base import GenerationConfig
+from m2r2.engine import Engine
+
+n_prompts = int(sys.argv[1]) if len(sys.argv) > 1 else 8
+first = int(sys.argv[2]) if len(sys.argv) > 2 else 0
+engine = Engine(threads=1, quiet=True)
+model = engine.model
+prompts = load_dataset("mt_bench", first + n_prompts).prompts[first:]
+ids = [engine.tokenizer.encode_chat([{"role": "user", "content": p.turns[0]}]) for p in prompts]
+gen = GenerationConfig(max_new_tokens=128)
+for method in ("vanilla", "m2r2"):
+    engine.generate_ids(ids[0], method, gen)  # warm-up (and the tree's cost measurement)
+
+spent: dict[str, float] = collections.defaultdict(float)
+
+
+def timed(owner, name, part):
+    """Wrap ``owner.name`` so its wall clock adds to ``spent[part]`` (prefills of 40+ rows excluded)."""
+    fn = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        t = time.perf_counter()
+        out = fn(*args, **kwargs)
+        x = next((a for a in args if hasattr(a, "shape")), None)
+        if part != "layers" or x is None or x.shape[1] < 40:
+            spent[part] += time.perf_counter() - t
+        return out
+
+    setattr(owner, name, staticmethod(wrapper) if isinstance(owner.__dict__.get(name), staticmethod) else wrapper)
+
+
+timed(model, "run_layers", "layers")
+timed(tree_mod, "head_argmax", "head")
+timed(tree_mod.TreeSpeculative, "draft", "draft")
+timed(tree_mod.TreeSpeculative, "choose", "choose")
+timed(tree_mod.TreeSpeculative, "_accept", "accept")
+timed(KVCache, "keep", "keep")
+timed(tree_mod.TreeSpeculative, "round", "round")
+print(f"{engine.kernel} kernel, 1 thread, MT-Bench prompts {first + 1}..{first + n_prompts - 1} timed")
+for method in ("vanilla", "m2r2"):
+    spent.clear()
+    t0, tokens, passes = time.perf_counter(), 0, 0
+    for prompt in ids[1:]:
+        r = engine.generate_ids(prompt, method, gen)
+        tokens += len(r.tokens)
+        passes += r.stats.get("verify_passes", len(r.tokens))
+    elapsed = time.perf_counter() - t0
+    per_pass = {k: v / passes * 1e3 for k, v in spent.items()}
+    ms = elapsed / passes * 1e3
+    print(f"{method}: {tokens / elapsed:.1f} tok/s, {tokens / passes:.2f} tokens/pass, {ms:.2f} ms/pass")
+    inner = sum(per_pass.get(k, 0.0) for k in ("layers", "head", "draft", "choose", "accept", "keep"))
+    for k in ("draft", "choose", "layers", "head", "accept", "keep"):
+        if k in per_pass:
+            print(f"  {k:7s} {per_pass[k]:6.2f} ms/pass")
+    if "round" in per_pass:
+        print(f"  rest of round {per_pass['round'] - inner:6.2f} ms/pass")
+    print(f"  outside rounds (prefill, stopping) {ms - per_pass.get('round', inner):6.2f} ms/pass")
