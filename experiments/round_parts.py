@@ -51,7 +51,7 @@ timed(tree_mod.TreeSpeculative, "choose", "choose")
 timed(tree_mod.TreeSpeculative, "_accept", "accept")
 timed(KVCache, "keep", "keep")
 timed(tree_mod.TreeSpeculative, "round", "round")
-print(f"{engine.kernel} kernel, 1 thread, MT-Bench prompts {first + 1}..{first + n_prompts - 1} timed")
+print(f"{engine.kernel} kernel, 1 thread, MT-Bench prompts {first + 2}..{first + n_prompts} timed")
 for method in ("vanilla", "m2r2"):
     spent.clear()
     t0, tokens, passes = time.perf_counter(), 0, 0
@@ -69,4 +69,5 @@ for method in ("vanilla", "m2r2"):
             print(f"  {k:7s} {per_pass[k]:6.2f} ms/pass")
     if "round" in per_pass:
         print(f"  rest of round {per_pass['round'] - inner:6.2f} ms/pass")
-    print(f"  outside rounds (prefill, stopping) {ms - per_pass.get('round', inner):6.2f} ms/pass")
+    outside = "outside rounds (prefill, stopping)" if "round" in per_pass else "the rest (head, sampling, prefill)"
+    print(f"  {outside} {ms - per_pass.get('round', inner):6.2f} ms/pass")
