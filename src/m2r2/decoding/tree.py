@@ -252,15 +252,12 @@ class TreeSpeculative:
         self.name, self.model, self.drafter, self.eos_ids, self.decode = name, model, drafter, eos_ids, decode
         self.max_nodes, self.max_depth, self.width, self.branch = max_nodes, max_depth, width, branch
         self.costs, self.lookup = costs, lookup
+        #: base layers whose outputs the drafter fuses into its seeds (a tapped seeded stream), else []
+        self.taps: list[int] = list(getattr(drafter, "taps", []))
         #: lossy dynamic compute (``m2r2-dynamic``): a draft whose own probability reaches this exits at the
         #: fast stream (is kept even where the full model disagrees); None or >= 1: lossless
         self.exit_threshold = exit_threshold if exit_threshold is not None and exit_threshold < 1 else None
         self.last_cache: KVCache | None = None
-
-    @property
-    def taps(self) -> list[int]:
-        """Base layers whose outputs the drafter fuses into its seeds (a tapped seeded stream), else []."""
-        return list(getattr(self.drafter, "taps", []))
 
     def seed_state(self, h: Tensor, layers: list[Tensor] | None, i: int) -> Tensor:
         """What the next tree starts from, for row ``i`` of a pass's final states ``h`` ``[1, T, d]``: that

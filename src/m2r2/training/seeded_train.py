@@ -171,8 +171,8 @@ def chain_losses(stream: SeededFastStream, batch: dict[str, Tensor], chain: int)
         agree.append(int(hit[m].sum()) / max(counts[-1], 1))
         z = stream.arla([x.detach() for x in states], stream.cfg.depth)
         arla = arla + F.binary_cross_entropy_with_logits(z[m], hit[m].float())
-    n = chain
-    return {"ce": ce / n, "top1": hard / n, "align": align / n, "arla": arla / n, "agree": agree, "counts": counts}
+    means = {"ce": ce / chain, "top1": hard / chain, "align": align / chain, "arla": arla / chain}
+    return {**means, "agree": agree, "counts": counts}
 
 
 def medusa_losses(heads: MedusaHeads, batch: dict[str, Tensor]) -> dict[str, Any]:
