@@ -310,7 +310,8 @@ def _conversations(path, n: int) -> None:
 
 def test_store_resumes_after_a_kill_without_duplicates_and_refuses_bad_stores(tmp_path, tiny_model):
     from m2r2.engine import Engine
-    from m2r2.training.store import StoreSettings, TrainStore, build_store, chat_encoder
+    from m2r2.machine import cpu_has
+    from m2r2.training.store import StoreSettings, TrainStore, build_store, chat_encoder, store_precision
 
     data = tmp_path / "conv.jsonl"
     _conversations(data, 23)
@@ -342,6 +343,12 @@ def test_store_resumes_after_a_kill_without_duplicates_and_refuses_bad_stores(tm
     with pytest.raises(SettingsError, match="other data or settings"):  # `store --dtype bf16` resuming an fp32 store
         build_store(e.model, e.fingerprint, enc, tmp_path / "whole", bf16)
     assert "precision" not in s.to_dict() and bf16.to_dict()["precision"] == "bf16"  # older fp32 stores still resume
+    # without --dtype a resumed store keeps its own precision; a new one gets the machine's choice
+    assert store_precision(tmp_path / "whole") == "fp32"
+    build_store(e.model, e.fingerprint, enc, tmp_path / "b", bf16, limit=5)
+    assert store_precision(tmp_path / "b") == "bf16"
+    native = torch.cuda.is_available() or cpu_has("avx512_bf16") or cpu_has("amx_bf16")
+    assert store_precision(tmp_path / "fresh") == ("bf16" if native else "fp32")
     with pytest.raises(InputError, match="not a training store"):
         TrainStore(tmp_path / "nothing")
 
