@@ -492,6 +492,23 @@ def cmd_draft_vocab(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_answer_store(args: argparse.Namespace) -> int:
+    from m2r2.decoding.answer_store import AnswerStore, read_answers, save_answer_store
+
+    if args.min_count < 1:
+        raise SettingsError(f"--min-count must be >= 1, got {args.min_count}")
+    paths = [Path(p) for p in args.data]
+    answers = read_answers(paths)  # bad input fails before the model loads
+    engine = _engine(args, quiet=True)
+    store = AnswerStore.build(answers, args.min_count)
+    tokens = sum(map(len, answers))
+    out = save_answer_store(
+        Path(args.out), store, engine.fingerprint, data=[str(p) for p in paths], answers=len(answers), tokens=tokens
+    )
+    print(json.dumps({"answer_store": str(out), "answers": len(answers), "tokens": tokens, "entries": len(store)}))
+    return 0
+
+
 def cmd_moefy(args: argparse.Namespace) -> int:
     from m2r2.machine import set_threads
     from m2r2.moe.moefy import DEFAULT_EXPERTS, DEFAULT_SHARED, DEFAULT_TOP_K, moefy_default
@@ -743,6 +760,23 @@ def build_parser() -> argparse.ArgumentParser:
     dv.add_argument("--out", default=None, help="write here instead of rewriting --adapters")
     _add_model_args(dv)
     dv.set_defaults(func=cmd_draft_vocab)
+
+    an = sub.add_parser(
+        "answer-store",
+        help="build an answer store (n-grams of the model's own answers) that tree methods also draft from",
+        description="Counts the 4-, 3- and 2-grams of the base model's own answers to training prompts (`m2r2 "
+        "distill-data` files) and keeps, for each seen at least --min-count times, the token that most often "
+        "followed it. `m2r2`, `eagle` and `medusa` offer its continuation in rounds where prompt lookup has "
+        "nothing to copy (option answers=FILE; by default the store shipped for the base model; answers=none "
+        "turns it off). Greedy output stays the plain greedy output: every proposed token is verified.",
+    )
+    an.add_argument(
+        "--data", nargs="+", default=[str(DEFAULT_ANSWERS)], help="distilled answers JSONL files (m2r2 distill-data)"
+    )
+    an.add_argument("--min-count", type=int, default=2, help="keep n-grams seen at least this often (default 2)")
+    an.add_argument("--out", required=True, help="NAME.safetensors (+ NAME.json) to write")
+    _add_model_args(an)
+    an.set_defaults(func=cmd_answer_store)
 
     mf = sub.add_parser(
         "moefy",

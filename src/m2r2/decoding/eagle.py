@@ -322,10 +322,11 @@ def _eagle(
     width: int = 2,
     branch: int = 2,
     lookup: int = DEFAULT_LOOKUP,
+    answers: str | None = None,
 ) -> TreeSpeculative:
     """The same tree verifier and settings as ``m2r2`` and ``medusa``; only the drafter differs."""
     given = Path(adapters) if adapters else None
     path = weightfile.given_or_shipped(given, HEAD, engine.fingerprint, DEFAULT_EAGLE)
     head = load_head(path, engine.model, engine.fingerprint).to(engine.model.device).freeze()
     tree = (max_nodes, max_depth, width, branch, lookup)
-    return build_tree_speculative("eagle", engine, EagleDrafter(head), adaptive, cost_cache, *tree)
+    return build_tree_speculative("eagle", engine, EagleDrafter(head), adaptive, cost_cache, *tree, answers=answers)

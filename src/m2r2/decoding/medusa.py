@@ -170,9 +170,10 @@ def _medusa(
     width: int = 2,
     branch: int = 2,
     lookup: int = DEFAULT_LOOKUP,
+    answers: str | None = None,
 ) -> TreeSpeculative:
     """The same tree verifier and settings as ``m2r2``; only the drafter differs."""
     path = heads_path(engine.fingerprint, Path(adapters) if adapters else None)
     heads = load_heads(path, engine.model, engine.fingerprint).to(engine.model.device).freeze()
     tree = (max_nodes, max_depth, width, branch, lookup)
-    return build_tree_speculative("medusa", engine, MedusaDrafter(heads), adaptive, cost_cache, *tree)
+    return build_tree_speculative("medusa", engine, MedusaDrafter(heads), adaptive, cost_cache, *tree, answers=answers)

@@ -314,6 +314,7 @@ def _m2r2(
     width: int = 2,
     branch: int = 2,
     lookup: int = DEFAULT_LOOKUP,
+    answers: str | None = None,
 ) -> SelfSpeculative | TreeSpeculative:
     """Seeded adapters (the shipped default where they exist) draft token trees; prefix adapters draft chains."""
     from m2r2.multirate.io import bundled_adapters, load_default
@@ -324,7 +325,7 @@ def _m2r2(
     if isinstance(fast, SeededFastStream):
         drafter = SeededDrafter(fast.to(engine.model.device).freeze(merge=True))
         tree = (max_nodes, max_depth, width, branch, lookup)
-        return build_tree_speculative("m2r2", engine, drafter, adaptive, cost_cache, *tree)
+        return build_tree_speculative("m2r2", engine, drafter, adaptive, cost_cache, *tree, answers=answers)
     return build_self_speculative("m2r2", engine, fast, max_draft, stop_below, use_arla, adaptive, cost_cache)
 
 

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import Tensor
 
+from m2r2.decoding.answer_store import AnswerStore, answer_store_for
 from m2r2.decoding.base import (
     CACHE_SLACK,
     GenerationConfig,
@@ -138,6 +139,7 @@ class TreeState:
     draft_steps: int = 0
     context: NgramIndex | None = None  # prompt lookup: every token before the round's root
     copies: LookupStats = field(default_factory=LookupStats)
+    answer_copies: LookupStats = field(default_factory=LookupStats)  # the answer store's, apart from lookup's
     copied_accepted: int = 0
     exits: int = 0  # lossy exits (``exit_threshold``): drafts accepted on the fast stream's confidence
     exits_agreed: int = 0  # ... whose token the full model would have chosen too
@@ -238,6 +240,7 @@ class TreeSpeculative:
         costs: TreeCosts | None = None,
         lookup: int = 0,
         exit_threshold: float | None = None,
+        answers: AnswerStore | None = None,
     ) -> None:
         limit = min(CACHE_SLACK, ROW_INVARIANT_MAX_ROWS) - 1
         if not 1 <= max_nodes <= limit:
@@ -251,7 +254,7 @@ class TreeSpeculative:
             drafter = SeededDrafter(drafter)
         self.name, self.model, self.drafter, self.eos_ids, self.decode = name, model, drafter, eos_ids, decode
         self.max_nodes, self.max_depth, self.width, self.branch = max_nodes, max_depth, width, branch
-        self.costs, self.lookup = costs, lookup
+        self.costs, self.lookup, self.answers = costs, lookup, answers
         #: base layers whose outputs the drafter fuses into its seeds (a tapped seeded stream), else []
         self.taps: list[int] = list(getattr(drafter, "taps", []))
         #: lossy dynamic compute (``m2r2-dynamic``): a draft whose own probability reaches this exits at the
@@ -448,11 +451,14 @@ class TreeSpeculative:
             steps = max(tree.depths)
             state.draft_steps += steps
         copies: list[int] = []
+        stats = state.copies
         if state.context is not None:  # prompt lookup: the root joins the context, its continuation is proposed
             state.context.extend([tok])
             copies = state.context.propose(min(self.lookup, room)) if gen.greedy and room > 0 else []
+            if not copies and self.answers is not None and gen.greedy and room > 0:
+                copies, stats = self.answers.propose(state.context.tokens, min(self.lookup, room)), state.answer_copies
         if copies:
-            tree.add_copies(copies, state.copies.path_probs(len(copies)))
+            tree.add_copies(copies, stats.path_probs(len(copies)))
         if len(tree.tokens) > 1:
             rows = self.choose(tree, room, state.calib, steps) if gen.greedy else self._chain(tree, room)
         n_rows = len(rows)
@@ -473,7 +479,7 @@ class TreeSpeculative:
             self._count_exits(state, tree, rows, path, out)
         offered = [r for r in tree.copy_probs if r in rows]
         if offered:  # the copied chain's rows are a prefix of it (ancestor-closed); count its depths
-            state.copies.record(len(offered), sum(1 for r in offered if r in path))
+            stats.record(len(offered), sum(1 for r in offered if r in path))
             state.copied_accepted += sum(1 for r in path[1:] if r in tree.copy_probs)
         if state.context is not None:
             state.context.extend([tree.tokens[r] for r in path[1:]])
@@ -686,6 +692,7 @@ def build_tree_speculative(
     branch: int = 2,
     lookup: int = 0,
     exit_threshold: float | None = None,
+    answers: str | None = None,
 ) -> TreeSpeculative:
     """A :class:`TreeSpeculative` drafting with ``drafter`` (in its inference form) and measured costs
     (``adaptive``; kept per machine and drafter shape in ``$M2R2_CACHE/costs`` for a day when ``cost_cache``),
@@ -702,5 +709,6 @@ def build_tree_speculative(
         path = path.with_name(f"tree-{path.name}")
         costs = cached_costs(path, measure, _tree_costs) if cost_cache else measure()
     tok = engine.tokenizer
-    tree = (max_nodes, max_depth, width, branch, costs, lookup, exit_threshold)
+    store = answer_store_for(engine.fingerprint, answers) if lookup else None
+    tree = (max_nodes, max_depth, width, branch, costs, lookup, exit_threshold, store)
     return TreeSpeculative(name, model, drafter, tok.eos_ids, tok.decode, *tree)
