@@ -13,7 +13,9 @@ of the verified positions' true states (which it is handed after every verify pa
 tree kept for verification is the most probable nodes, as many as maximise expected tokens per
 second under measured costs (the drafter's start, draft levels and verify passes of k rows; a path's
 probability, calibrated online by how often drafts are accepted, is its chance of being accepted).
-One slow pass over ``[x, nodes...]`` with a tree mask (each row sees the verified prefix and its
+Copied chains join the same tree: prompt lookup's (:mod:`m2r2.decoding.lookup`) and, in rounds where
+it has nothing, the answer store's (:mod:`m2r2.decoding.answer_store`: the model's own phrasing from
+its answers to training prompts). One slow pass over ``[x, nodes...]`` with a tree mask (each row sees the verified prefix and its
 ancestors; the C++ row attention, or else a :class:`m2r2.model.GappedMask`, gives each row the bits
 a decoding step would, :func:`m2r2.model.attend`) yields the
 slow argmax of every node; the longest path whose tokens match is accepted, its K/V is compacted
@@ -94,9 +96,10 @@ class Tree:
         parent = self.scores[self.parents[r]]
         return self.scores[r] / parent if parent > 0 else 0.0
 
-    def add_copies(self, tokens: list[int], probs: list[float]) -> None:
-        """Merge prompt lookup's chain under the root: shared prefixes reuse drafted nodes."""
-        r = 0
+    def add_copies(self, tokens: list[int], probs: list[float]) -> list[int]:
+        """Merge a copied chain (prompt lookup's or the answer store's) under the root: shared prefixes
+        reuse drafted nodes. Returns the chain's nodes."""
+        r, nodes = 0, []
         for t, p in zip(tokens, probs, strict=True):
             kid = next((i for i, q in enumerate(self.parents) if q == r and self.tokens[i] == t), None)
             if kid is None:
@@ -107,7 +110,9 @@ class Tree:
                 self.probs.append(None)
                 kid = len(self.tokens) - 1
             self.copy_probs[kid] = p
+            nodes.append(kid)
             r = kid
+        return nodes
 
     def ancestors(self, rows: list[int]) -> Tensor:
         """``[n, n]`` boolean: row i sees row j when j is i or an ancestor of i (among ``rows``)."""
@@ -450,15 +455,16 @@ class TreeSpeculative:
             tree = self.draft(state.h_last, tok, cache, room, gen, state.calib)
             steps = max(tree.depths)
             state.draft_steps += steps
-        copies: list[int] = []
+        copied: list[int] = []  # the copied chain's nodes
         stats = state.copies
         if state.context is not None:  # prompt lookup: the root joins the context, its continuation is proposed
             state.context.extend([tok])
-            copies = state.context.propose(min(self.lookup, room)) if gen.greedy and room > 0 else []
-            if not copies and self.answers is not None and gen.greedy and room > 0:
-                copies, stats = self.answers.propose(state.context.tokens, min(self.lookup, room)), state.answer_copies
-        if copies:
-            tree.add_copies(copies, stats.path_probs(len(copies)))
+            k = min(self.lookup, room) if gen.greedy else 0
+            copies = state.context.propose(k) if k > 0 else []
+            if not copies and k > 0 and self.answers is not None:  # nothing to copy: the model's own phrasing
+                copies, stats = self.answers.propose(state.context.tokens, k), state.answer_copies
+            if copies:
+                copied = tree.add_copies(copies, stats.path_probs(len(copies)))
         if len(tree.tokens) > 1:
             rows = self.choose(tree, room, state.calib, steps) if gen.greedy else self._chain(tree, room)
         n_rows = len(rows)
@@ -477,7 +483,7 @@ class TreeSpeculative:
         n = len(path) - 1
         if lossy is not None:
             self._count_exits(state, tree, rows, path, out)
-        offered = [r for r in tree.copy_probs if r in rows]
+        offered = [r for r in copied if r in rows]
         if offered:  # the copied chain's rows are a prefix of it (ancestor-closed); count its depths
             stats.record(len(offered), sum(1 for r in offered if r in path))
             state.copied_accepted += sum(1 for r in path[1:] if r in tree.copy_probs)
