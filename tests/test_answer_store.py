@@ -104,3 +104,21 @@ def test_the_command_builds_a_store_and_refuses_bad_input_before_loading_a_model
     assert main(["answer-store", "--data", missing, "--out", str(out), "--model", "/nonexistent"]) != 0
     err = capsys.readouterr().err.strip()
     assert "cannot read answers" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_real_model_ships_an_answer_store_whose_copies_keep_the_output_vanilla(real_engine_bf16):
+    """The bundled model's shipped store is on by default for the tree methods: on a list-style answer
+    (the phrasing the store holds) its copies are accepted, and the tokens are vanilla's bit for bit."""
+    from m2r2.tokenizer import messages_for
+
+    e = real_engine_bf16
+    assert answer_store_for(e.fingerprint, None) is not None
+    gen = GenerationConfig(max_new_tokens=64)
+    ids = e.tokenizer.encode_chat(messages_for("Give me three tips for staying healthy."))
+    ref = e.generate_ids(ids, "vanilla", gen).tokens
+    on = e.generate_ids(ids, "m2r2", gen)
+    off = e.generate_ids(ids, "m2r2", gen, answers="none")
+    assert on.tokens == off.tokens == ref
+    assert e.strategy("m2r2").answers is not None and e.strategy("m2r2", answers="none").answers is None
+    assert on.stats["copied_accepted_per_token"] > off.stats["copied_accepted_per_token"]
