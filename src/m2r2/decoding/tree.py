@@ -18,8 +18,9 @@ it has nothing, the answer store's (:mod:`m2r2.decoding.answer_store`: the model
 its answers to training prompts). One slow pass over ``[x, nodes...]`` with a tree mask (each row
 sees the verified prefix and its ancestors; the C++ row attention, or else a
 :class:`m2r2.model.GappedMask`, gives each row the bits a decoding step would,
-:func:`m2r2.model.attend`) yields the slow argmax of every node; the longest path whose tokens match is accepted, its K/V is compacted
-behind the prefix (:meth:`KVCache.keep`), and the slow state of its last node seeds the next round.
+:func:`m2r2.model.attend`) yields the slow argmax of every node; the longest path whose tokens
+match is accepted, its K/V is compacted behind the prefix (:meth:`KVCache.keep`), and the slow
+state of its last node seeds the next round.
 
 Greedy output is token-for-token the plain greedy output: a node is accepted only where it equals
 the slow argmax, and the slow model supplies the token after the path. With sampling the draft is a
