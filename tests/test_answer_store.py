@@ -59,6 +59,8 @@ def test_the_file_round_trips_and_refuses_another_model_or_a_damaged_file(tmp_pa
     with pytest.raises(WeightsError, match="corrupt"):
         load_answer_store(path, "fp-a")
     assert answer_store_for("fp-a", "none") is None
+    with pytest.raises(WeightsError, match="missing"):  # a mistyped answers=FILE is an error, not silently off
+        answer_store_for("fp-a", str(tmp_path / "nope.safetensors"))
     assert answer_store_for("no-such-model", None) is None  # nothing ships for it: off
 
 
