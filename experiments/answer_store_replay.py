@@ -8,7 +8,9 @@ Replays the base model's greedy answers to all 60 MT-Bench first turns (teacher-
   *training* prompts (distill-data files): the most frequent follower of the longest matching
   4/3/2-gram seen at least twice, token after token.
 Prints how often each proposes, how often its first token is right, tokens accepted per position,
-and what the store adds where lookup has nothing right. (It cannot see the fast stream: what the store
+and what the store adds where lookup has nothing right; then, where lookup has nothing, how often a
+store token is right by its share of its n-gram's followers (tenths) and depth in the chain: the
+calibration the tree's weighing of store chains rests on. (It cannot see the fast stream: what the store
 adds end to end is measured by `m2r2 bench`, BENCHMARKS.md "Thirteenth round".)
 
     python experiments/answer_store_replay.py ANSWERS.jsonl [ANSWERS.jsonl ...]
@@ -16,7 +18,7 @@ adds end to end is measured by `m2r2 bench`, BENCHMARKS.md "Thirteenth round".)
 
 import json
 import sys
-from collections import Counter
+from collections import Counter, defaultdict
 from pathlib import Path
 
 from m2r2.decoding.answer_store import AnswerStore, read_answers
@@ -40,6 +42,7 @@ def main() -> None:
     store = AnswerStore.build(answers)
     print(f"answer store: {len(answers)} answers, {sum(map(len, answers)):,} tokens, {len(store):,} n-gram entries")
     stats: Counter = Counter()
+    by_share: dict[tuple[int, int], list[int]] = defaultdict(lambda: [0, 0])  # (depth, tenth) -> [right, tried]
     for line in Path(EVAL).read_text().splitlines():
         r = json.loads(line)
         p, a = r["prompt_ids"], r["answer_ids"]
@@ -47,7 +50,16 @@ def main() -> None:
         for i in range(len(a)):
             ctx, truth = p + a[:i], a[i : i + K]
             lk = idx.propose(K)
-            ds = store.propose(ctx, K)
+            ds, shares = store.propose(ctx, K)
+            if not lk:  # the store's tokens in order, until the first wrong one
+                for d, (t, share) in enumerate(zip(ds, shares, strict=True)):
+                    if d >= len(truth):
+                        break
+                    cell = by_share[(d, min(int(share * 10), 9))]
+                    cell[0] += t == truth[d]
+                    cell[1] += 1
+                    if t != truth[d]:
+                        break
             la, da = accepted(lk, truth), accepted(ds, truth)
             stats["positions"] += 1
             stats["lookup_proposes"] += bool(lk)
@@ -72,6 +84,12 @@ def main() -> None:
         f"store right where lookup is not: {stats['store_first_where_lookup_not'] / n:.3f} of positions;"
         f" the better of the two: {stats['best_tokens'] / n:.3f} tokens per position"
     )
+    print("where lookup has nothing: a store token right / tried, by its share (tenths) and depth in the chain")
+    print("share  " + "  ".join(f"{'depth ' + str(d + 1):>15s}" for d in range(K)))
+    for b in range(10):
+        cells = [by_share[(d, b)] for d in range(K)]
+        row = "  ".join(f"{r:5d}/{t:5d} {r / t if t else 0:.2f}" for r, t in cells)
+        print(f"{b / 10:.1f}+   {row}")
 
 
 if __name__ == "__main__":

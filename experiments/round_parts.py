@@ -54,15 +54,18 @@ timed(tree_mod.TreeSpeculative, "round", "round")
 print(f"{engine.kernel} kernel, 1 thread, MT-Bench prompts {first + 2}..{first + n_prompts} timed")
 for method in ("vanilla", "m2r2"):
     spent.clear()
-    t0, tokens, passes = time.perf_counter(), 0, 0
+    t0, tokens, passes, rows = time.perf_counter(), 0, 0, 0.0
     for prompt in ids[1:]:
         r = engine.generate_ids(prompt, method, gen)
         tokens += len(r.tokens)
-        passes += r.stats.get("verify_passes", len(r.tokens))
+        n = r.stats.get("verify_passes", len(r.tokens))
+        passes += n
+        rows += r.stats.get("verify_rows_per_pass", 1.0) * n
     elapsed = time.perf_counter() - t0
     per_pass = {k: v / passes * 1e3 for k, v in spent.items()}
     ms = elapsed / passes * 1e3
-    print(f"{method}: {tokens / elapsed:.1f} tok/s, {tokens / passes:.2f} tokens/pass, {ms:.2f} ms/pass")
+    print(f"{method}: {tokens / elapsed:.1f} tok/s, {tokens / passes:.2f} tokens/pass, {rows / passes:.2f} rows/pass, "
+          f"{ms:.2f} ms/pass")
     inner = sum(per_pass.get(k, 0.0) for k in ("layers", "head", "draft", "choose", "accept", "keep"))
     for k in ("draft", "choose", "layers", "head", "accept", "keep"):
         if k in per_pass:

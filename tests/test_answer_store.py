@@ -15,25 +15,25 @@ from m2r2.decoding.answer_store import AnswerStore, answer_store_for, load_answe
 from m2r2.decoding.autoregressive import Autoregressive
 from m2r2.decoding.base import GenerationConfig
 from m2r2.decoding.tree import TreeSpeculative
-from m2r2.errors import SettingsError, WeightsError
+from m2r2.errors import InputError, SettingsError, WeightsError
 
 
-def test_it_keeps_each_ngrams_most_frequent_follower_and_proposes_from_the_longest_match():
+def test_it_keeps_each_ngrams_most_frequent_follower_and_its_share_and_proposes_from_the_longest_match():
     answers = [[1, 2, 3, 4, 5], [1, 2, 3, 4, 6], [9, 2, 3, 4, 6], [7, 3, 4, 8], [7, 3, 4, 8], [7, 7]]
     store = AnswerStore.build(answers, min_count=2)
     # (2, 3, 4) was followed by 5 once and 6 twice; (3, 4) by 5, 6, 6, 8, 8: a tie, the smaller id wins
-    assert store.tables[3][(2, 3, 4)] == 6
-    assert store.tables[2][(3, 4)] == 6
+    assert store.tables[3][(2, 3, 4)] == (6, 170 / 255)  # 2 of 3 followers, in 8 bits
+    assert store.tables[2][(3, 4)] == (6, 102 / 255)  # 2 of 5
     assert (1, 2, 3, 4) not in store.tables[4]  # seen once: below min_count
     assert store.tables[4] == {}
-    assert AnswerStore.build(answers, min_count=1).tables[4][(1, 2, 3, 4)] == 5
+    assert AnswerStore.build(answers, min_count=1).tables[4][(1, 2, 3, 4)] == (5, 128 / 255)  # 5 or 6: a tie
     # the longest n-gram ending the context decides; proposals chain on their own tokens
-    assert store.propose([0, 2, 3, 4], 3) == [6]  # (3, 4, 6) never seen twice: the chain stops
-    assert store.propose([7, 3], 2) == [4, 6]  # (7, 3) -> 4, then (7, 3, 4) -> 8? seen twice: yes
-    assert store.tables[3][(7, 3, 4)] == 8
-    assert store.propose([5, 7, 3], 2) == [4, 8]
-    assert store.propose([5, 7, 3], 1) == [4]
-    assert store.propose([42, 43], 4) == [] and store.propose([], 4) == []
+    assert store.propose([0, 2, 3, 4], 3) == ([6], [170 / 255])  # (3, 4, 6) never seen twice: the chain stops
+    assert store.propose([7, 3], 2) == ([4, 6], [1.0, 102 / 255])  # (7, 3) -> 4, then (3, 4) -> 6
+    assert store.tables[3][(7, 3, 4)] == (8, 1.0)
+    assert store.propose([5, 7, 3], 2) == ([4, 8], [1.0, 1.0])
+    assert store.propose([5, 7, 3], 1) == ([4], [1.0])
+    assert store.propose([42, 43], 4) == ([], []) and store.propose([], 4) == ([], [])
     with pytest.raises(SettingsError, match="min_count"):
         AnswerStore.build(answers, min_count=0)
 
@@ -53,6 +53,8 @@ def test_the_file_round_trips_and_refuses_another_model_or_a_damaged_file(tmp_pa
         assert load_answer_store(save_answer_store(tmp_path / "w", wide, "fp-a"), "fp-a").tables == wide.tables
     with pytest.raises(WeightsError, match="another base model"):
         load_answer_store(path, "fp-b")
+    with pytest.raises(InputError, match="no follower shares"):  # a store built before shares were kept
+        AnswerStore.from_tensors({k: t for k, t in store.to_tensors().items() if not k.startswith("share")})
     raw = bytearray(path.read_bytes())
     raw[-3] ^= 0xFF
     path.write_bytes(bytes(raw))

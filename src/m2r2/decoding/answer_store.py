@@ -4,11 +4,13 @@ prompt lookup (retrieval drafting in the manner of REST, He et al. 2024, from th
 Why (measured, BENCHMARKS.md "Thirteenth round"): a 135M model's greedy answers reuse their phrasing
 across prompts ("Here are some ...", list scaffolding, closing lines). An n-gram table of its answers
 to *training* prompts proposes the next few tokens at no drafting cost: for each 4-, 3- and 2-gram
-seen at least ``min_count`` times, the token that most often followed it; a proposal follows the
-longest n-gram that ends the context, token after token. The tree offers it in rounds where prompt
-lookup has nothing to copy, and learns per sequence how often each depth of it is accepted
-(:class:`m2r2.decoding.lookup.LookupStats`), so the verifier's cost model weighs it like any node.
-Greedy only, like prompt lookup; outputs stay the plain greedy ones (every node is verified).
+seen at least ``min_count`` times, the token that most often followed it and its *share* of what
+followed (how sure the table is); a proposal follows the longest n-gram that ends the context, token
+after token. The share predicts acceptance (replayed on MT-Bench answers: right 0.75-0.91 of the time
+where it is >= 0.9, 0.1-0.2 where it is < 0.3; BENCHMARKS.md "Fourteenth round"), so the tree weighs
+each proposed node by the product of the shares along its chain, calibrated per sequence, and the
+verifier's cost model spends rows only where a chain is likely to hold. Greedy only, like prompt
+lookup; outputs stay the plain greedy ones (every node is verified).
 
 Built by ``m2r2 answer-store`` from ``distill-data`` files; stored as a bound weight file
 (``NAME.safetensors`` + ``NAME.json``: base model fingerprint, checksum), refused for another model.
@@ -32,15 +34,20 @@ KIND = weightfile.Kind(
     trains="`m2r2 answer-store --data ANSWERS.jsonl`",
     none_shipped="no answer store ships for this base model; build one with `m2r2 answer-store`",
 )
-VERSION = 1
+VERSION = 2  # 2: follower shares stored beside the followers
 #: n-gram orders, longest first: a proposal follows the longest that ends the context
 ORDERS = (4, 3, 2)
 
 
-class AnswerStore:
-    """``tables[n]``: n-gram (tuple of token ids) -> the token that most often followed it."""
+#: a follower's share of what followed its n-gram is stored in 8 bits (k / 255)
+SHARE_STEPS = 255
 
-    def __init__(self, tables: dict[int, dict[tuple[int, ...], int]]) -> None:
+
+class AnswerStore:
+    """``tables[n]``: n-gram (tuple of token ids) -> (the token that most often followed it, that token's
+    share of the n-gram's followers, k / 255)."""
+
+    def __init__(self, tables: dict[int, dict[tuple[int, ...], tuple[int, float]]]) -> None:
         self.tables = {n: tables.get(n, {}) for n in ORDERS}
 
     @classmethod
@@ -53,40 +60,48 @@ class AnswerStore:
     def from_tensors(cls, tensors: dict[str, Tensor]) -> AnswerStore:
         tables = {}
         for n in ORDERS:
-            grams, nxt = tensors.get(f"grams{n}"), tensors.get(f"next{n}")
+            grams, nxt, share = (tensors.get(f"{key}{n}") for key in ("grams", "next", "share"))
             if grams is None or nxt is None or grams.dim() != 2 or grams.shape[1] != n or len(grams) != len(nxt):
                 raise InputError(f"answer store tensors grams{n}/next{n} are missing or malformed")
+            if share is None or share.shape != nxt.shape:
+                raise InputError(
+                    "this answer store has no follower shares (built by an older m2r2): rebuild it with "
+                    "`m2r2 answer-store`"
+                )
             grams, nxt = _widen(grams), _widen(nxt)
-            tables[n] = dict(zip(map(tuple, grams.tolist()), nxt.tolist(), strict=True))
+            shares = (share.to(torch.float64) / SHARE_STEPS).tolist()
+            tables[n] = dict(zip(map(tuple, grams.tolist()), zip(nxt.tolist(), shares, strict=True), strict=True))
         return cls(tables)
 
     def to_tensors(self) -> dict[str, Tensor]:
         """Token ids as int16 bit patterns where every id fits 16 bits (half the file), else int32."""
-        out = {}
+        out, shares = {}, {}
         for n, table in self.tables.items():
             out[f"grams{n}"] = torch.tensor(list(table), dtype=torch.int32).reshape(-1, n)
-            out[f"next{n}"] = torch.tensor(list(table.values()), dtype=torch.int32)
+            out[f"next{n}"] = torch.tensor([t for t, _ in table.values()], dtype=torch.int32)
+            shares[f"share{n}"] = torch.tensor([round(s * SHARE_STEPS) for _, s in table.values()], dtype=torch.uint8)
         if all(t.numel() == 0 or (int(t.max()) < 1 << 16 and int(t.min()) >= 0) for t in out.values()):
             out = {k: (t - (t >= 1 << 15).int() * (1 << 16)).to(torch.int16) for k, t in out.items()}
-        return out
+        return out | shares
 
     def __len__(self) -> int:
         return sum(len(t) for t in self.tables.values())
 
-    def propose(self, context: list[int], k: int) -> list[int]:
+    def propose(self, context: list[int], k: int) -> tuple[list[int], list[float]]:
         """Up to ``k`` tokens, each the most frequent follower of the longest n-gram ending the context
-        (extended by the tokens proposed so far)."""
-        tail, out = list(context[-ORDERS[0] :]), []
+        (extended by the tokens proposed so far), and each one's share of its n-gram's followers."""
+        tail, out, shares = list(context[-ORDERS[0] :]), [], []
         for _ in range(k):
-            nxt = None
+            hit = None
             for n in ORDERS:
-                if len(tail) >= n and (nxt := self.tables[n].get(tuple(tail[-n:]))) is not None:
+                if len(tail) >= n and (hit := self.tables[n].get(tuple(tail[-n:]))) is not None:
                     break
-            if nxt is None:
+            if hit is None:
                 break
-            out.append(nxt)
-            tail = [*tail[1:], nxt]
-        return out
+            out.append(hit[0])
+            shares.append(hit[1])
+            tail = [*tail[1:], hit[0]]
+        return out, shares
 
 
 def _widen(ids: Tensor) -> Tensor:
@@ -96,12 +111,14 @@ def _widen(ids: Tensor) -> Tensor:
 
 def _tables(answers: list[list[int]], min_count: int) -> dict[str, Tensor]:
     """Per order n: every (n-gram, next) pair of ``answers`` counted, and per n-gram the follower seen
-    most often (ties: the smaller token id), kept where it was seen at least ``min_count`` times."""
+    most often (ties: the smaller token id), kept where it was seen at least ``min_count`` times, with
+    its share of all the n-gram's followers in 8 bits."""
     out = {}
     for n in ORDERS:
         rows = [torch.tensor(a, dtype=torch.long).unfold(0, n + 1, 1) for a in answers if len(a) > n]
         if not rows:
             out[f"grams{n}"], out[f"next{n}"] = torch.zeros(0, n, dtype=torch.int32), torch.zeros(0, dtype=torch.int32)
+            out[f"share{n}"] = torch.zeros(0, dtype=torch.uint8)
             continue
         pairs, counts = torch.unique(torch.cat(rows), dim=0, return_counts=True)  # sorted by (n-gram, next)
         new_gram = torch.ones(len(pairs), dtype=torch.bool)
@@ -114,8 +131,11 @@ def _tables(answers: list[list[int]], min_count: int) -> dict[str, Tensor]:
         first[1:] = group[order][1:] != group[order][:-1]
         best = order[first]
         best = best[counts[best] >= min_count]
+        totals = torch.zeros(int(group[-1]) + 1, dtype=counts.dtype).index_add_(0, group, counts)
+        share = counts[best].double() / totals[group[best]].double()
         out[f"grams{n}"] = pairs[best, :n].to(torch.int32).contiguous()
         out[f"next{n}"] = pairs[best, n].to(torch.int32).contiguous()
+        out[f"share{n}"] = (share * SHARE_STEPS).round().to(torch.uint8)
     return out
 
 

@@ -13,9 +13,9 @@ of the verified positions' true states (which it is handed after every verify pa
 tree kept for verification is the most probable nodes, as many as maximise expected tokens per
 second under measured costs (the drafter's start, draft levels and verify passes of k rows; a path's
 probability, calibrated online by how often drafts are accepted, is its chance of being accepted).
-Copied chains join the same tree: prompt lookup's (:mod:`m2r2.decoding.lookup`) and, in rounds where
-it has nothing, the answer store's (:mod:`m2r2.decoding.answer_store`: the model's own phrasing from
-its answers to training prompts). One slow pass over ``[x, nodes...]`` with a tree mask (each row
+Copied chains join the same tree: prompt lookup's (:mod:`m2r2.decoding.lookup`) and the answer
+store's (:mod:`m2r2.decoding.answer_store`: the model's own phrasing from its answers to training
+prompts, each token weighed by how sure the store is of it). One slow pass over ``[x, nodes...]`` with a tree mask (each row
 sees the verified prefix and its ancestors; the C++ row attention, or else a
 :class:`m2r2.model.GappedMask`, gives each row the bits a decoding step would,
 :func:`m2r2.model.attend`) yields the slow argmax of every node; the longest path whose tokens
@@ -99,7 +99,8 @@ class Tree:
 
     def add_copies(self, tokens: list[int], probs: list[float]) -> list[int]:
         """Merge a copied chain (prompt lookup's or the answer store's) under the root: shared prefixes
-        reuse drafted nodes. Returns the chain's nodes."""
+        reuse drafted or copied nodes (a node copied twice keeps the higher probability). Returns the
+        chain's nodes."""
         r, nodes = 0, []
         for t, p in zip(tokens, probs, strict=True):
             kid = next((i for i, q in enumerate(self.parents) if q == r and self.tokens[i] == t), None)
@@ -110,7 +111,7 @@ class Tree:
                 self.scores.append(0.0)
                 self.probs.append(None)
                 kid = len(self.tokens) - 1
-            self.copy_probs[kid] = p
+            self.copy_probs[kid] = max(p, self.copy_probs.get(kid, 0.0))
             nodes.append(kid)
             r = kid
         return nodes
@@ -125,6 +126,11 @@ class Tree:
                 m[i, index[a]] = True
                 a = self.parents[a]
         return m
+
+
+#: where a sequence's answer-store calibration starts: replayed on MT-Bench answers, a store token was
+#: right 0.6-0.8 times as often as its share says (experiments/answer_store_replay.out.txt)
+ANSWER_CALIB = 0.75
 
 
 @dataclass
@@ -145,7 +151,8 @@ class TreeState:
     draft_steps: int = 0
     context: NgramIndex | None = None  # prompt lookup: every token before the round's root
     copies: LookupStats = field(default_factory=LookupStats)
-    answer_copies: LookupStats = field(default_factory=LookupStats)  # the answer store's, apart from lookup's
+    #: the answer store's chains: a node's chance is this times the product of the shares up to it
+    answer_calib: float = ANSWER_CALIB
     copied_accepted: int = 0
     exits: int = 0  # lossy exits (``exit_threshold``): drafts accepted on the fast stream's confidence
     exits_agreed: int = 0  # ... whose token the full model would have chosen too
@@ -456,16 +463,19 @@ class TreeSpeculative:
             tree = self.draft(state.h_last, tok, cache, room, gen, state.calib)
             steps = max(tree.depths)
             state.draft_steps += steps
-        copied: list[int] = []  # the copied chain's nodes
-        stats = state.copies
+        looked: list[int] = []  # prompt lookup's chain (nodes)
+        stored: list[tuple[int, float]] = []  # the answer store's chain: (node, product of shares up to it)
         if state.context is not None:  # prompt lookup: the root joins the context, its continuation is proposed
             state.context.extend([tok])
             k = min(self.lookup, room) if gen.greedy else 0
-            copies = state.context.propose(k) if k > 0 else []
-            if not copies and k > 0 and self.answers is not None:  # nothing to copy: the model's own phrasing
-                copies, stats = self.answers.propose(state.context.tokens, k), state.answer_copies
-            if copies:
-                copied = tree.add_copies(copies, stats.path_probs(len(copies)))
+            chain = state.context.propose(k) if k > 0 else []
+            if chain:
+                looked = tree.add_copies(chain, state.copies.path_probs(len(chain)))
+            if k > 0 and self.answers is not None:  # the model's own phrasing, as sure as the store is
+                chain, shares = self.answers.propose(state.context.tokens, k)
+                sure = list(itertools.accumulate(shares, lambda a, b: a * b))
+                nodes = tree.add_copies(chain, [min(1.0, state.answer_calib * p) for p in sure])
+                stored = list(zip(nodes, sure, strict=True))
         if len(tree.tokens) > 1:
             rows = self.choose(tree, room, state.calib, steps) if gen.greedy else self._chain(tree, room)
         n_rows = len(rows)
@@ -484,10 +494,15 @@ class TreeSpeculative:
         n = len(path) - 1
         if lossy is not None:
             self._count_exits(state, tree, rows, path, out)
-        offered = [r for r in copied if r in rows]
+        offered = [r for r in looked if r in rows]
         if offered:  # the copied chain's rows are a prefix of it (ancestor-closed); count its depths
-            stats.record(len(offered), sum(1 for r in offered if r in path))
-            state.copied_accepted += sum(1 for r in path[1:] if r in tree.copy_probs)
+            state.copies.record(len(offered), sum(1 for r in offered if r in path))
+        stored = [(r, p) for r, p in stored if r in rows]
+        if stored:  # calibrate the store's shares against how many of its offered nodes were accepted
+            hits = sum(1 for r, _ in stored if r in path)
+            ratio = (hits + 0.1) / (sum(p for _, p in stored) + 0.1)
+            state.answer_calib = 0.9 * state.answer_calib + 0.1 * min(1.5, ratio)
+        state.copied_accepted += sum(1 for r in path[1:] if r in tree.copy_probs)
         if state.context is not None:
             state.context.extend([tree.tokens[r] for r in path[1:]])
         predicted = sum(tree.scores[r] for r in rows[1:])
