@@ -64,8 +64,10 @@ for method in ("vanilla", "m2r2"):
     elapsed = time.perf_counter() - t0
     per_pass = {k: v / passes * 1e3 for k, v in spent.items()}
     ms = elapsed / passes * 1e3
-    print(f"{method}: {tokens / elapsed:.1f} tok/s, {tokens / passes:.2f} tokens/pass, {rows / passes:.2f} rows/pass, "
-          f"{ms:.2f} ms/pass")
+    print(
+        f"{method}: {tokens / elapsed:.1f} tok/s, {tokens / passes:.2f} tokens/pass, {rows / passes:.2f} rows/pass, "
+        f"{ms:.2f} ms/pass"
+    )
     inner = sum(per_pass.get(k, 0.0) for k in ("layers", "head", "draft", "choose", "accept", "keep"))
     for k in ("draft", "choose", "layers", "head", "accept", "keep"):
         if k in per_pass:

@@ -15,8 +15,8 @@ second under measured costs (the drafter's start, draft levels and verify passes
 probability, calibrated online by how often drafts are accepted, is its chance of being accepted).
 Copied chains join the same tree: prompt lookup's (:mod:`m2r2.decoding.lookup`) and the answer
 store's (:mod:`m2r2.decoding.answer_store`: the model's own phrasing from its answers to training
-prompts, each token weighed by how sure the store is of it). One slow pass over ``[x, nodes...]`` with a tree mask (each row
-sees the verified prefix and its ancestors; the C++ row attention, or else a
+prompts, each token weighed by how sure the store is of it). One slow pass over ``[x, nodes...]``
+with a tree mask (each row sees the verified prefix and its ancestors; the C++ row attention, or else a
 :class:`m2r2.model.GappedMask`, gives each row the bits a decoding step would,
 :func:`m2r2.model.attend`) yields the slow argmax of every node; the longest path whose tokens
 match is accepted, its K/V is compacted behind the prefix (:meth:`KVCache.keep`), and the slow
