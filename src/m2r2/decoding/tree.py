@@ -13,12 +13,13 @@ of the verified positions' true states (which it is handed after every verify pa
 tree kept for verification is the most probable nodes, as many as maximise expected tokens per
 second under measured costs (the drafter's start, draft levels and verify passes of k rows; a path's
 probability, calibrated online by how often drafts are accepted, is its chance of being accepted).
-Copied chains join the same tree: prompt lookup's (:mod:`m2r2.decoding.lookup`) and the answer
-store's (:mod:`m2r2.decoding.answer_store`: the model's own phrasing from its answers to training
-prompts, each token weighed by how sure the store is of it). One slow pass over ``[x, nodes...]``
-with a tree mask (each row sees the verified prefix and its ancestors; the C++ row attention, or else a
-:class:`m2r2.model.GappedMask`, gives each row the bits a decoding step would,
-:func:`m2r2.model.attend`) yields the slow argmax of every node; the longest path whose tokens
+Copied chains join the same tree: prompt lookup's (:mod:`m2r2.decoding.lookup`) and, in rounds where
+it has nothing, the answer store's (:mod:`m2r2.decoding.answer_store`: the model's own phrasing from
+its answers to training prompts, each token weighed by how sure the store is of it; offered beside
+lookup's chain as well, it cost more rows than it won, BENCHMARKS.md "Fourteenth round"). One slow
+pass over ``[x, nodes...]`` with a tree mask (each row sees the verified prefix and its ancestors;
+the C++ row attention, or else a :class:`m2r2.model.GappedMask`, gives each row the bits a decoding
+step would, :func:`m2r2.model.attend`) yields the slow argmax of every node; the longest path whose tokens
 match is accepted, its K/V is compacted behind the prefix (:meth:`KVCache.keep`), and the slow
 state of its last node seeds the next round.
 
@@ -471,7 +472,7 @@ class TreeSpeculative:
             chain = state.context.propose(k) if k > 0 else []
             if chain:
                 looked = tree.add_copies(chain, state.copies.path_probs(len(chain)))
-            if k > 0 and self.answers is not None:  # the model's own phrasing, as sure as the store is
+            if k > 0 and self.answers is not None and not chain:  # the model's phrasing, as sure as the store is
                 chain, shares = self.answers.propose(state.context.tokens, k)
                 sure = list(itertools.accumulate(shares, lambda a, b: a * b))
                 nodes = tree.add_copies(chain, [min(1.0, state.answer_calib * p) for p in sure])
