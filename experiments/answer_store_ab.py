@@ -18,7 +18,6 @@ prompts = load_dataset(ds, N).prompts
 gen = GenerationConfig(max_new_tokens=128)
 strats = {v: engine.strategy("m2r2", answers=v) for v in variants}
 tot = {v: [0, 0, 0.0, 0.0] for v in variants}
-ref = None
 for pi, p in enumerate(prompts):
     outs = {}
     for v, s in strats.items():

@@ -7,7 +7,7 @@ to *training* prompts proposes the next few tokens at no drafting cost: for each
 seen at least ``min_count`` times, the token that most often followed it and its *share* of what
 followed (how sure the table is); a proposal follows the longest n-gram that ends the context, token
 after token. The share predicts acceptance (replayed on MT-Bench answers: right 0.75-0.91 of the time
-where it is >= 0.9, 0.1-0.2 where it is < 0.3; BENCHMARKS.md "Fourteenth round"), so the tree weighs
+where it is >= 0.9, 0.02-0.31 where it is < 0.3; BENCHMARKS.md "Fourteenth round"), so the tree weighs
 each proposed node by the product of the shares along its chain, calibrated per sequence, and the
 verifier's cost model spends rows only where a chain is likely to hold. Greedy only, like prompt
 lookup; outputs stay the plain greedy ones (every node is verified).
