@@ -1,13 +1,15 @@
 """Kernel fidelity and speed: greedy answers of the bf16 kernels against the fp32 reference model.
 
-Usage: ``OMP_NUM_THREADS=1 .venv/bin/python experiments/kernel_quality.py`` (12 MT-Bench first
-turns, 64 new tokens, kernels interleaved per prompt after a warm-up). Prints and writes to
-``benchmarks/kernels/kernels.json``, per kernel: median tok/s, exact-match rate, mean common-prefix
+Usage: ``OMP_NUM_THREADS=1 .venv/bin/python experiments/kernel_quality.py [KERNELS [NAME]]``
+(12 MT-Bench first turns, 64 new tokens, kernels interleaved per prompt after a warm-up; KERNELS
+default ``mkldnn,q4,int8``). Prints and writes to ``benchmarks/kernels/NAME.json`` (default
+``kernels``), per kernel: median tok/s, exact-match rate, mean common-prefix
 length and mean ROUGE-L F against the fp32 answer (the benchmark's own metric, ``bench/quality.py``).
 """
 
 import json
 import statistics
+import sys
 from pathlib import Path
 
 import torch
@@ -17,10 +19,13 @@ from m2r2.bench.quality import rouge_l
 from m2r2.bench.results import git_commit
 from m2r2.decoding.base import GenerationConfig
 from m2r2.engine import Engine
+from m2r2.machine import cpu_name
 
 torch.set_num_threads(1)
 ref = Engine(dtype="fp32", threads=1, quiet=True)
-engines = {k: Engine(kernel=k, threads=1, quiet=True) for k in ("mkldnn", "q4", "int8")}
+kernels = sys.argv[1].split(",") if len(sys.argv) > 1 else ["mkldnn", "q4", "int8"]
+name = sys.argv[2] if len(sys.argv) > 2 else "kernels"
+engines = {k: Engine(kernel=k, threads=1, quiet=True) for k in kernels}
 gen = GenerationConfig(max_new_tokens=64)
 rows: dict[str, list[dict]] = {k: [] for k in engines}
 for e in engines.values():
@@ -51,6 +56,7 @@ out = {
 }
 for k, v in out.items():
     print(k, v)
-stamp = {"commit": git_commit(), "command": "OMP_NUM_THREADS=1 .venv/bin/python experiments/kernel_quality.py"}
-target = Path(__file__).resolve().parents[1] / "benchmarks" / "kernels" / "kernels.json"
+command = " ".join(["OMP_NUM_THREADS=1 .venv/bin/python experiments/kernel_quality.py", *sys.argv[1:]])
+stamp = {"commit": git_commit(), "cpu": cpu_name(), "command": command}
+target = Path(__file__).resolve().parents[1] / "benchmarks" / "kernels" / f"{name}.json"
 target.write_text(json.dumps({**stamp, **out}, indent=1) + "\n")

@@ -177,8 +177,9 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir: Pat
 
 def skip_unless_kernel(model: torch.nn.Module, kernel: str) -> None:
     """Skip the test where ``kernel`` cannot run ``model`` on this machine (no oneDNN bf16, no 4-bit op,
-    no AMX (q4-amx), AVX512-BF16 (q4-avx512) or C++ compiler, or layer widths the kernel does not take)."""
-    from m2r2.kernels import mkldnn_usable, q4_amx_usable, q4_avx512_usable, q4_usable
+    no AMX (q4-amx), AVX512-BF16 (q4-avx512), AVX2 (q4-avx2) or C++ compiler, or layer widths the kernel
+    does not take)."""
+    from m2r2.kernels import mkldnn_usable, q4_amx_usable, q4_avx2_usable, q4_avx512_usable, q4_usable
 
     usable = {
         "plain": lambda m: True,
@@ -186,6 +187,7 @@ def skip_unless_kernel(model: torch.nn.Module, kernel: str) -> None:
         "q4": q4_usable,
         "q4-amx": q4_amx_usable,
         "q4-avx512": q4_avx512_usable,
+        "q4-avx2": q4_avx2_usable,
     }[kernel]
     if not usable(model):
         pytest.skip(f"the {kernel} kernel cannot run this model here")

@@ -1,5 +1,6 @@
-"""The C++ 4-bit kernels (``q4-amx``: AMX tiles, ``q4-avx512``: AVX512-BF16 dot products): the same
-weights as ``q4``, rows independent of the pass size."""
+"""The C++ 4-bit kernels (``q4-amx``: AMX tiles, ``q4-avx512``: AVX512-BF16 dot products, ``q4-avx2``:
+AVX2 integer dot products on int8-rounded inputs): the same weights as ``q4``, rows independent of the
+pass size; and the per-row helpers (row attention, RMSNorm, argmax) of each build."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ PRODUCTS = [
     pytest.param("amx", marks=needs_amx),
     pytest.param("avx512", marks=pytest.mark.skipif(not amx.available(), reason="no AVX512-BF16 CPU or compiler")),
 ]
+needs_avx2 = pytest.mark.skipif(amx.avx2_extension() is None, reason="no AVX2 CPU or no C++ compiler here")
 
 
 def q4_1_layer(n: int, k: int, seed: int) -> tuple[torch.nn.Linear, torch.Tensor]:
@@ -81,7 +83,7 @@ def test_q8_native_runs_q8_0_weights_exactly(products: str) -> None:
     assert not AmxInt8Linear(lin).exact
 
 
-@pytest.mark.parametrize("products", PRODUCTS)
+@pytest.mark.parametrize("products", [*PRODUCTS, pytest.param("avx2", marks=needs_avx2)])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("bits", [4, 8])
 def test_native_rows_do_not_depend_on_the_pass(products: str, threads: int, bits: int) -> None:
@@ -102,6 +104,33 @@ def test_native_rows_do_not_depend_on_the_pass(products: str, threads: int, bits
         assert torch.equal(layer(x[:6].view(2, 3, 128)).view(6, -1), alone[:6])  # batch dims flatten
     finally:
         torch.set_num_threads(before)
+
+
+def int8_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the ``avx2`` products see it: each row rounded per group of 32 to int8 steps of max|x| / 127."""
+    g = x.float().view(x.shape[0], -1, 32)
+    top = g.abs().amax(-1, keepdim=True)
+    q = torch.where(top > 0, (g * (127 / top)).round(), torch.zeros_like(g))
+    return (q * (top / 127)).view(x.shape)
+
+
+@needs_avx2
+@pytest.mark.parametrize("bits", [4, 8])
+def test_avx2_products_are_the_weights_times_int8_rounded_inputs(bits: int) -> None:
+    """The ``avx2`` products apply the same integers, steps and minima as the other kernels to inputs
+    rounded per group of 32 to int8 (llama.cpp's Q8 rounding): x @ W^T of those inputs in float32,
+    rounded once to bf16 (within a bf16 step), and close to the bf16 product (int8 steps of ~0.4%)."""
+    lin, w = q4_1_layer(192, 96, seed=12) if bits == 4 else q8_0_layer(192, 96, seed=13)
+    layer = (AmxInt4Linear if bits == 4 else AmxInt8Linear)(lin, products="avx2")
+    assert layer.exact and layer.op == f"q{bits}_linear_avx2"
+    x = torch.randn(7, 96, generator=torch.Generator().manual_seed(14)).to(torch.bfloat16)
+    got = layer(x).float()
+    ref = int8_rows(x) @ w.t()
+    assert ((got - ref).abs() <= ref.abs() * 2.0**-8 + 1e-5 * ref.abs().max()).all()
+    plain = x.float() @ w.t()
+    assert (got - plain).abs().max() <= 0.02 * plain.abs().max()
+    eye = torch.eye(96, dtype=torch.bfloat16)  # one-hot rows round exactly: the weights come back
+    assert torch.allclose(layer(eye).float(), w.t(), rtol=2.0**-8, atol=1e-6)
 
 
 @pytest.mark.parametrize("products", PRODUCTS)
@@ -125,7 +154,11 @@ def test_q4_amx_is_auto_where_it_runs(tiny_model, monkeypatch) -> None:
     odd = load_model(tiny_model(hidden_size=64, intermediate_size=128, vocab_size=300), torch.bfloat16, kernel="q4-amx")
     assert isinstance(odd.model.lm_head, PackedLinear)  # a vocabulary not in blocks of 64: bf16 head
     assert load_model(d, torch.bfloat16, kernel="auto").kernel == "q4-amx"
-    monkeypatch.setattr(amx, "available", lambda: False)  # no AVX512-BF16 or no compiler: auto falls back to q4
+    monkeypatch.setattr(amx, "available", lambda: False)  # no AVX512-BF16: auto takes the AVX2 kernel
+    monkeypatch.setattr(amx, "amx_available", lambda: False)
+    if amx.avx2_extension() is not None:
+        assert load_model(d, torch.bfloat16, kernel="auto").kernel == "q4-avx2"
+    monkeypatch.setattr(amx, "avx2_extension", lambda: None)  # no compiler at all: auto falls back to q4
     loaded = load_model(d, torch.bfloat16, kernel="auto")
     assert loaded.kernel == "q4" and isinstance(loaded.model.lm_head, PackedLinear)
 
@@ -145,12 +178,29 @@ def test_without_amx_auto_takes_q4_avx512(tiny_model, monkeypatch) -> None:
         load_model(d, torch.bfloat16, kernel="q4-amx")
 
 
-@pytest.mark.parametrize("kernel", ["q4-amx", "q4-avx512"])
+@pytest.mark.parametrize("kernel", ["q4-amx", "q4-avx512", "q4-avx2"])
 def test_without_the_cpp_kernels_q4_native_says_why(tiny_model, monkeypatch, kernel: str) -> None:
     monkeypatch.setattr(amx, "available", lambda: False)
+    monkeypatch.setattr(amx, "avx2_extension", lambda: None)
     d = tiny_model(hidden_size=64, intermediate_size=128)
-    with pytest.raises(SettingsError, match="needs a CPU with AVX512-BF16"):
+    with pytest.raises(
+        SettingsError, match="needs a CPU with AVX2" if kernel == "q4-avx2" else "needs a CPU with AVX512-BF16"
+    ):
         load_model(d, torch.bfloat16, kernel=kernel)
+
+
+@needs_avx2
+def test_without_avx512_auto_takes_q4_avx2(tiny_model, monkeypatch) -> None:
+    """A CPU with AVX2 but no AVX-512 (AMD Zen 3): ``auto`` runs the AVX2 kernels, the head on its 8-bit
+    blocks too, and greedy decoding with them is lossless for every speculative method (other tests)."""
+    monkeypatch.setattr(amx, "available", lambda: False)
+    monkeypatch.setattr(amx, "amx_available", lambda: False)
+    d = tiny_model(hidden_size=64, intermediate_size=128, vocab_size=320)
+    loaded = load_model(d, torch.bfloat16, kernel="auto")
+    assert loaded.kernel == "q4-avx2"
+    w2, head = loaded.model.layers[0].mlp.w2, loaded.model.lm_head
+    assert isinstance(w2, AmxInt4Linear) and w2.op == "q4_linear_avx2"
+    assert isinstance(head, AmxInt8Linear) and head.op == "q8_linear_avx2"
 
 
 def test_q4_amx_refuses_widths_it_does_not_take(tiny_model) -> None:
@@ -160,12 +210,18 @@ def test_q4_amx_refuses_widths_it_does_not_take(tiny_model) -> None:
         load_model(d, torch.bfloat16, kernel="q4-amx")
 
 
-needs_ext = pytest.mark.skipif(amx.extension() is None, reason="the C++ kernels do not build or run here")
+#: each build of the per-row helpers, where this CPU runs it (AVX-512 ``csrc/``, AVX2 ``csrc_avx2/``)
+HELPERS = [
+    pytest.param(
+        amx.extension, id="avx512", marks=pytest.mark.skipif(amx.extension() is None, reason="no AVX-512 build here")
+    ),
+    pytest.param(amx.avx2_extension, id="avx2", marks=needs_avx2),
+]
 
 
-@needs_ext
+@pytest.mark.parametrize("ext", HELPERS)
 @pytest.mark.parametrize("threads", [1, 2])
-def test_row_attention_bits_do_not_depend_on_where_keys_sit(threads: int) -> None:
+def test_row_attention_bits_do_not_depend_on_where_keys_sit(threads: int, ext) -> None:
     """A row that sees the prefix and a few keys scattered after it (a tree row) gets the bits it gets
     with those keys packed right after the prefix (decoding's layout); values match float32 SDPA."""
     g = torch.Generator().manual_seed(7)
@@ -181,12 +237,12 @@ def test_row_attention_bits_do_not_depend_on_where_keys_sit(threads: int) -> Non
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        out = amx.extension().row_attention(q, k, v, gapped, d**-0.5)
+        out = ext().row_attention(q, k, v, gapped, d**-0.5)
         for r, extra in enumerate(slots):
             order = list(range(prefix)) + extra + [i for i in range(s) if i >= prefix and i not in extra]
             packed = torch.zeros(1, 1, s, dtype=torch.bool)
             packed[..., : prefix + len(extra)] = True
-            alone = amx.extension().row_attention(
+            alone = ext().row_attention(
                 q[:, :, r : r + 1].contiguous(),
                 k[:, :, order].contiguous(),
                 v[:, :, order].contiguous(),
@@ -202,8 +258,8 @@ def test_row_attention_bits_do_not_depend_on_where_keys_sit(threads: int) -> Non
         torch.set_num_threads(before)
 
 
-@needs_ext
-def test_row_attention_reads_a_bfloat16_cache_as_its_float32_widening() -> None:
+@pytest.mark.parametrize("ext", HELPERS)
+def test_row_attention_reads_a_bfloat16_cache_as_its_float32_widening(ext) -> None:
     """The cache is read in place: bfloat16 keys and values give the bits of their exact float32 copies,
     for head sizes with a partial last chunk of 16 and for allowed-key counts off a multiple of 16."""
     g = torch.Generator().manual_seed(9)
@@ -213,15 +269,15 @@ def test_row_attention_reads_a_bfloat16_cache_as_its_float32_widening() -> None:
         q = torch.randn(2, heads, 3, d, generator=g)
         mask = torch.rand(2, 3, s, generator=g) < 0.6
         mask[..., 0] = True
-        out = amx.extension().row_attention(q, k, v, mask, d**-0.5)
-        assert torch.equal(out, amx.extension().row_attention(q, k.float(), v.float(), mask, d**-0.5))
+        out = ext().row_attention(q, k, v, mask, d**-0.5)
+        assert torch.equal(out, ext().row_attention(q, k.float(), v.float(), mask, d**-0.5))
         ref = F.scaled_dot_product_attention(q, k.float(), v.float(), attn_mask=mask[:, None], enable_gqa=True)
         assert torch.allclose(out, ref.transpose(1, 2), atol=1e-5, rtol=1e-5)
 
 
-@needs_ext
+@pytest.mark.parametrize("ext", HELPERS)
 @pytest.mark.parametrize("threads", [1, 2])
-def test_row_attention_rows_sharing_a_prefix_get_their_lone_bits(threads: int) -> None:
+def test_row_attention_rows_sharing_a_prefix_get_their_lone_bits(threads: int, ext) -> None:
     """Rows whose key lists share a long prefix share its loads (one item scores a block for all their
     heads, transposed from 12 query vectors on): each row still gets the bits of its one-row call, for
     1-16 rows (several items of up to 8 rows), bfloat16 and float32 caches, and rows with no key at all."""
@@ -240,9 +296,9 @@ def test_row_attention_rows_sharing_a_prefix_get_their_lone_bits(threads: int) -
                 mask[..., prefix:] = torch.rand(1, rows, s - prefix, generator=g) < 0.15
                 if rows == 9:
                     mask[0, 3] = False  # a row that sees nothing (its group then shares no block)
-                out = amx.extension().row_attention(q, k, v, mask, d**-0.5)
+                out = ext().row_attention(q, k, v, mask, d**-0.5)
                 for r in range(rows):
-                    alone = amx.extension().row_attention(
+                    alone = ext().row_attention(
                         q[:, :, r : r + 1].contiguous(), k, v, mask[:, r : r + 1].contiguous(), d**-0.5
                     )
                     assert torch.equal(out[:, r : r + 1], alone), (rows, dtype, r)
@@ -250,51 +306,52 @@ def test_row_attention_rows_sharing_a_prefix_get_their_lone_bits(threads: int) -
         torch.set_num_threads(before)
 
 
-@needs_ext
-def test_row_attention_takes_empty_passes() -> None:
+@pytest.mark.parametrize("ext", HELPERS)
+def test_row_attention_takes_empty_passes(ext) -> None:
     """No rows, or no keys: an empty result, or zeros (a row with no key attends nothing)."""
     q, k = torch.zeros(1, 9, 0, 64), torch.zeros(1, 3, 10, 64, dtype=torch.bfloat16)
-    assert amx.extension().row_attention(q, k, k, torch.zeros(1, 0, 10, dtype=torch.bool), 0.125).shape == (1, 0, 9, 64)
+    assert ext().row_attention(q, k, k, torch.zeros(1, 0, 10, dtype=torch.bool), 0.125).shape == (1, 0, 9, 64)
     q, k = torch.randn(1, 9, 2, 64), torch.zeros(1, 3, 0, 64, dtype=torch.bfloat16)
-    out = amx.extension().row_attention(q, k, k, torch.zeros(1, 2, 0, dtype=torch.bool), 0.125)
+    out = ext().row_attention(q, k, k, torch.zeros(1, 2, 0, dtype=torch.bool), 0.125)
     assert out.shape == (1, 2, 9, 64) and not out.any()
 
 
-@needs_ext
-def test_row_attention_batches_sequences_exactly() -> None:
+@pytest.mark.parametrize("ext", HELPERS)
+def test_row_attention_batches_sequences_exactly(ext) -> None:
     """Several sequences (batch items, own keys and mask each) get the bits of their lone calls."""
     g = torch.Generator().manual_seed(8)
     k, v = torch.randn(3, 3, 40, 64, generator=g), torch.randn(3, 3, 40, 64, generator=g)
     q = torch.randn(3, 9, 1, 64, generator=g)
     mask = torch.arange(40)[None, None, :] < torch.tensor([5, 40, 17])[:, None, None]
-    out = amx.extension().row_attention(q, k, v, mask, 0.125)
+    out = ext().row_attention(q, k, v, mask, 0.125)
     for b in range(3):
-        alone = amx.extension().row_attention(q[b : b + 1], k[b : b + 1], v[b : b + 1], mask[b : b + 1], 0.125)
+        alone = ext().row_attention(q[b : b + 1], k[b : b + 1], v[b : b + 1], mask[b : b + 1], 0.125)
         assert torch.equal(out[b : b + 1], alone)
 
 
-@needs_ext
-def test_rms_norm_rows_alone_in_hf_order() -> None:
+@pytest.mark.parametrize("ext", HELPERS)
+def test_rms_norm_rows_alone_in_hf_order(ext) -> None:
     """The C++ RMSNorm follows HF Llama's bfloat16 order (float32 statistics, round, times the weight,
     round) and a row's bits do not depend on the rows around it (verify passes, batched steps)."""
     g = torch.Generator().manual_seed(10)
     for d in (576, 80, 7):
         x = (torch.randn(4, 3, d, generator=g) * 3).bfloat16()
         w = torch.randn(d, generator=g).bfloat16()
-        out = amx.extension().rms_norm(x, w, 1e-5)
+        out = ext().rms_norm(x, w, 1e-5)
         xf = x.float()
         ref = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).bfloat16()
         assert torch.allclose(out.float(), ref.float(), rtol=2**-7, atol=0)  # float32 sums may differ in order
         for i in range(4):
-            assert torch.equal(amx.extension().rms_norm(x[i, 1:2].contiguous(), w, 1e-5), out[i, 1:2])
-    model_norm = RMSNorm(576, 1e-5).to(torch.bfloat16)
-    x = torch.randn(2, 5, 576, generator=g).bfloat16()
-    with torch.no_grad():
-        assert torch.equal(model_norm(x), amx.extension().rms_norm(x, model_norm.weight, 1e-5))
+            assert torch.equal(ext().rms_norm(x[i, 1:2].contiguous(), w, 1e-5), out[i, 1:2])
+    if ext() is amx.row_helpers():  # the model's norm runs this CPU's own build
+        model_norm = RMSNorm(576, 1e-5).to(torch.bfloat16)
+        x = torch.randn(2, 5, 576, generator=g).bfloat16()
+        with torch.no_grad():
+            assert torch.equal(model_norm(x), ext().rms_norm(x, model_norm.weight, 1e-5))
 
 
-@needs_ext
-def test_argmax_rows_picks_what_torch_picks() -> None:
+@pytest.mark.parametrize("ext", HELPERS)
+def test_argmax_rows_picks_what_torch_picks(ext) -> None:
     """First of equal maxima, the first NaN as the maximum, all -inf rows, partial chunks of 16."""
     g = torch.Generator().manual_seed(11)
     for v in (1, 7, 33, 49152):
@@ -306,5 +363,6 @@ def test_argmax_rows_picks_what_torch_picks() -> None:
                 x[2, 3] = x[2, 9] = float("nan")
                 x[3] = float("-inf")
                 x[4] = 1.0
+            assert torch.equal(ext().argmax_rows(x), x.argmax(-1))
             assert torch.equal(argmax_rows(x), x.argmax(-1))
             assert torch.equal(argmax_rows(x[0]), x[0].argmax(-1))

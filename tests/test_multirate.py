@@ -216,7 +216,7 @@ def test_shipped_adapters_load_by_default_on_bundled_model():
     assert any(float(p.abs().max()) > 0 for n, p in stream.named_parameters() if ".B." in n), "B must be trained"
 
 
-@pytest.mark.parametrize("kernel", ["plain", "mkldnn", "q4", "q4-amx", "q4-avx512"])
+@pytest.mark.parametrize("kernel", ["plain", "mkldnn", "q4", "q4-amx", "q4-avx512", "q4-avx2"])
 def test_merged_fast_layers_match_low_rank_deltas_and_leave_base_alone(kernel):
     from conftest import skip_unless_kernel
     from m2r2.kernels import use_kernels

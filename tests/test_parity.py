@@ -267,7 +267,7 @@ def test_real_model_greedy_matches_transformers(real_engine, real_hf, eval_dir: 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kernel", ["mkldnn", "q4", "q4-amx", "q4-avx512"])
+@pytest.mark.parametrize("kernel", ["mkldnn", "q4", "q4-amx", "q4-avx512", "q4-avx2"])
 def test_bf16_kernels_close_to_fp32(real_engine, kernel: str) -> None:
     """bf16 activations with oneDNN-packed bf16 or 4-bit linears against fp32 at every prompt position.
 

@@ -67,7 +67,7 @@ def solo(engine: Engine, ids: list[int], max_tokens: int, method: str = "vanilla
 # --------------------------------------------------------------------------- the model's batched step
 
 
-@pytest.mark.parametrize("kernel", ["plain", "mkldnn", "q4", "q4-amx", "q4-avx512"])
+@pytest.mark.parametrize("kernel", ["plain", "mkldnn", "q4", "q4-amx", "q4-avx512", "q4-avx2"])
 def test_step_rows_gives_each_sequence_its_lone_step_bits(kernel):
     """Sequences of different lengths and cache capacities in one step: each row = a lone step, K/V too."""
     from conftest import skip_unless_kernel
@@ -107,7 +107,7 @@ def test_attention_over_several_caches_gives_each_its_lone_bits(dtype, heads, kv
     assert batches_requests_exactly(heads, kv_heads, head_dim, dtype, "cpu", torch.get_num_threads())
 
 
-@pytest.mark.parametrize("kernel", ["plain", "mkldnn", "q4", "q4-amx", "q4-avx512"])
+@pytest.mark.parametrize("kernel", ["plain", "mkldnn", "q4", "q4-amx", "q4-avx512", "q4-avx2"])
 def test_pooled_step_rows_attend_once_per_size_class_with_lone_step_bits(kernel):
     """Five sequences in two size classes of one pool, interleaved: one attention call per class, and
     every row, and every cache, equal to lone steps; also after a sequence leaves mid-way (the last

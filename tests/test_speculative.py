@@ -251,7 +251,7 @@ def test_lookahead_refuses_sampling():
         Lookahead(tiny_model(1), []).generate([1], GenerationConfig(temperature=0.5))
 
 
-@pytest.mark.parametrize("kernel", ["plain", "mkldnn", "q4", "q4-amx", "q4-avx512"])
+@pytest.mark.parametrize("kernel", ["plain", "mkldnn", "q4", "q4-amx", "q4-avx512", "q4-avx2"])
 def test_verify_rows_are_bit_identical_to_decoding_steps_in_bf16(kernel):
     """Lossless speculation needs row invariance: a k-token pass gives each row a decode step's bits."""
     from conftest import skip_unless_kernel
@@ -298,7 +298,7 @@ def assert_branch_rows_match_decoding(model: Transformer, prefix: int, vocab: in
             assert torch.equal(ref.k[:, :, :, slots], a.k[:, :, :, prefix : prefix + 4]), f"branch {j} keys"
 
 
-@pytest.mark.parametrize("kernel", ["plain", "mkldnn", "q4", "q4-amx", "q4-avx512"])
+@pytest.mark.parametrize("kernel", ["plain", "mkldnn", "q4", "q4-amx", "q4-avx512", "q4-avx2"])
 def test_lookahead_branch_rows_are_bit_identical_to_decoding_steps_in_bf16(kernel):
     from conftest import skip_unless_kernel
     from m2r2.kernels import use_kernels

@@ -12,7 +12,9 @@ sums the same unpacked integers with dot-product instructions (``q4-avx512``), r
 each weight once for all rows. torch's own extension builder compiles them (about 30 s, once) into
 ``$M2R2_CACHE/ext/``, keyed by the source, the torch version and the compiler flags; a CPU without
 AVX512-BF16, or a machine without a C++ compiler, simply does not get the kernels (``auto`` then
-picks ``q4``), and says why once.
+picks ``q4``), and says why once. A CPU with AVX2 but not AVX-512 (AMD Zen 2/3) gets the
+``q4-avx2`` linears instead (``csrc_avx2/``, a separate build with AVX2 flags only): integer dot
+products on inputs rounded to int8 per group of 32, as llama.cpp runs these GGUF blocks there.
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ LDFLAGS = ["-fopenmp"]  # at::parallel_for is inline: without OpenMP here it wou
 #: CPU flags every kernel here needs (``/proc/cpuinfo`` names); the AMX products also need :data:`AMX_FLAGS`.
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16")
 AMX_FLAGS = ("amx_bf16", "amx_tile")
+AVX2_SOURCES = sorted(Path(__file__).with_name("csrc_avx2").glob("*.cpp"))
+AVX2_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
+AVX2_CPU_FLAGS = ("avx2", "fma", "f16c")
 #: Set to 1 to keep the kernel off (a reference run, or a machine where building misbehaves).
 DISABLE_ENV = "M2R2_NO_AMX"
 
@@ -55,11 +60,28 @@ DISABLE_ENV = "M2R2_NO_AMX"
 @functools.cache
 def extension() -> ModuleType | None:
     """The compiled kernel module, or None where this machine cannot build or run it."""
-    if os.environ.get(DISABLE_ENV) == "1" or not all(cpu_has(f) for f in CPU_FLAGS):
+    if not all(cpu_has(f) for f in CPU_FLAGS):
         return None
-    text = b"".join(src.read_bytes() for src in [*SOURCES, *HEADERS])
-    key = hashlib.sha256(text + torch.__version__.encode() + " ".join(FLAGS + LDFLAGS).encode()).hexdigest()[:12]
-    build = cache_root() / "ext" / f"q4_amx-{key}"
+    return _build("q4_amx", SOURCES, HEADERS, FLAGS)
+
+
+@functools.cache
+def avx2_extension() -> ModuleType | None:
+    """The ``q4-avx2`` kernels (``csrc_avx2/``, built with AVX2 flags only, so that nothing in them needs
+    AVX-512), or None where this machine cannot build or run them."""
+    if not all(cpu_has(f) for f in AVX2_CPU_FLAGS):
+        return None
+    return _build("q4_avx2", AVX2_SOURCES, [], AVX2_FLAGS)
+
+
+def _build(name: str, sources: list[Path], headers: list[Path], flags: list[str]) -> ModuleType | None:
+    """Compile ``sources`` into ``$M2R2_CACHE/ext/<name>-<key>`` (once: the key covers the sources, the
+    torch version and the flags) and load them; None where that fails or the CPU cannot run them."""
+    if os.environ.get(DISABLE_ENV) == "1":
+        return None
+    text = b"".join(src.read_bytes() for src in [*sources, *headers])
+    key = hashlib.sha256(text + torch.__version__.encode() + " ".join(flags + LDFLAGS).encode()).hexdigest()[:12]
+    build = cache_root() / "ext" / f"{name}-{key}"
     try:
         from torch.utils.cpp_extension import load
 
@@ -67,17 +89,23 @@ def extension() -> ModuleType | None:
         if not any(build.glob("*.so")):
             print("m2r2: building the C++ kernels for this CPU (once, ~30 s)", file=sys.stderr)
         module = load(
-            name=f"m2r2_q4_amx_{key}",
-            sources=[str(src) for src in SOURCES],
-            extra_cflags=FLAGS,
+            name=f"m2r2_{name}_{key}",
+            sources=[str(src) for src in sources],
+            extra_cflags=flags,
             extra_ldflags=LDFLAGS,
             build_directory=str(build),
         )
     except Exception as e:  # no compiler, missing headers, a failed build: the stock kernels still run
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        warnings.warn(f"the C++ kernels are not available here ({type(e).__name__}: {first[:200]})", stacklevel=2)
+        warnings.warn(f"the C++ kernels are not available here ({type(e).__name__}: {first[:200]})", stacklevel=3)
         return None
     return module if module.usable() else None
+
+
+def row_helpers() -> ModuleType | None:
+    """The module with this CPU's per-row helpers (``rms_norm``, ``argmax_rows``, ``row_attention``):
+    the AVX-512 build where it runs, else the AVX2 one, else None (torch's own ops)."""
+    return extension() or avx2_extension()
 
 
 def available() -> bool:

@@ -44,13 +44,15 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--kernel",
         default="auto",
-        choices=["auto", "plain", "mkldnn", "int8", "q4", "q4-amx", "q4-avx512"],
+        choices=["auto", "plain", "mkldnn", "int8", "q4", "q4-amx", "q4-avx512", "q4-avx2"],
         help="linear-layer kernels: auto = q4-amx for bf16 on an AMX CPU, else q4-avx512 on an AVX512-BF16 CPU, "
-        "else q4, when the layers fit, else mkldnn, else plain; q4 = 4-bit groups of 32 (exactly the bundled "
-        "GGUF's Q4_1 weights, ~1.7x faster than mkldnn); q4-amx = the same weights summed on AMX (built once "
-        "with the C++ compiler, ~40 s; a one-token step ~0.86 of q4's, a verify pass of 8 rows ~1.25 of it "
-        "instead of ~2); q4-avx512 = the same C++ kernel with AVX512-BF16 dot products (AMD Zen 4/5); "
-        "mkldnn = oneDNN pre-packed bf16; plain = torch; int8 = weight-only int8 (lossy, not recommended)",
+        "else q4-avx2 on an AVX2 CPU, else q4, when the layers fit, else mkldnn, else plain; q4 = 4-bit groups "
+        "of 32 (exactly the bundled GGUF's Q4_1 weights, ~1.7x faster than mkldnn); q4-amx = the same weights "
+        "summed on AMX (built once with the C++ compiler, ~40 s; a one-token step ~0.86 of q4's, a verify pass "
+        "of 8 rows ~1.25 of it instead of ~2); q4-avx512 = the same C++ kernel with AVX512-BF16 dot products "
+        "(AMD Zen 4/5); q4-avx2 = the same weights times inputs rounded to int8 per group of 32, as llama.cpp "
+        "runs them (AMD Zen 2/3, older Intel: ~3.5x faster than q4 there); mkldnn = oneDNN pre-packed bf16; "
+        "plain = torch; int8 = weight-only int8 (lossy, not recommended)",
     )
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
 

@@ -262,28 +262,40 @@ class _AmxLinear(nn.Module):
     GROUP = 32
     OP = ""
 
+    #: columns per block of the ``avx2`` products (one register of eight float32 sums)
+    AVX2_BLOCK = 8
+
     def __init__(self, lin: nn.Linear, q: Tensor, terms: list[Tensor], products: str = "amx") -> None:
         """``q`` ``[n, k]`` integers; ``terms`` the per-group factors (``[n, k/32]`` each)."""
         super().__init__()
-        if products not in ("amx", "avx512"):
-            raise ValueError(f"products must be amx or avx512, got {products!r}")
+        if products not in PRODUCTS:
+            raise ValueError(f"products must be one of {', '.join(PRODUCTS)}, got {products!r}")
         self.products = products
-        self.op = self.OP if products == "amx" else f"{self.OP}_avx512"
+        self.op = self.OP if products == "amx" else f"{self.OP}_{products}"
         n, k = q.shape
-        nb = n // self.BLOCK
+        block = self.AVX2_BLOCK if products == "avx2" else self.BLOCK
+        nb = n // block
         self.in_features, self.out_features = lin.in_features, lin.out_features
         self.bias = lin.bias
-        # VNNI pairs: lane j of input pair p is column j // 2 at input 2p + j % 2
-        lanes = q.view(nb, self.BLOCK, k // 2, 2).permute(0, 2, 1, 3).reshape(nb, k // 2, 2 * self.BLOCK)
-        self.qbytes = self.pack(lanes, products).contiguous()
-        per_block = [t.view(nb, self.BLOCK, k // self.GROUP).transpose(1, 2) for t in terms]
-        self.scales = torch.stack(per_block, dim=2).half().contiguous()  # [nb, k/32, len(terms), 64]
+        if products == "avx2":
+            self.qbytes = self.pack_avx2(q.view(nb, block, k)).contiguous()
+        else:
+            # VNNI pairs: lane j of input pair p is column j // 2 at input 2p + j % 2
+            lanes = q.view(nb, block, k // 2, 2).permute(0, 2, 1, 3).reshape(nb, k // 2, 2 * block)
+            self.qbytes = self.pack(lanes, products).contiguous()
+        per_block = [t.view(nb, block, k // self.GROUP).transpose(1, 2) for t in terms]
+        self.scales = torch.stack(per_block, dim=2).half().contiguous()  # [nb, k/32, len(terms), block]
         if not torch.isfinite(self.scales).all():
-            raise ValueError(f"q4-amx: a step or minimum of a {type(self).__name__} does not fit float16")
+            raise ValueError(f"q4-{products}: a step or minimum of a {type(self).__name__} does not fit float16")
 
     @staticmethod
     def pack(lanes: Tensor, products: str) -> Tensor:
         """The bytes the C++ op reads for integer ``lanes`` ``[blocks, k/2, 128]``."""
+        raise NotImplementedError
+
+    @staticmethod
+    def pack_avx2(q: Tensor) -> Tensor:
+        """The bytes the ``avx2`` op reads for integers ``q`` ``[blocks, 8, k]`` (``csrc_avx2/q4_avx2.cpp``)."""
         raise NotImplementedError
 
     @classmethod
@@ -292,7 +304,8 @@ class _AmxLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
-        y = getattr(amx.extension(), self.op)(x.reshape(-1, shape[-1]).contiguous(), self.qbytes, self.scales)
+        ext = amx.avx2_extension() if self.products == "avx2" else amx.extension()
+        y = getattr(ext, self.op)(x.reshape(-1, shape[-1]).contiguous(), self.qbytes, self.scales)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*shape[:-1], y.shape[-1])
@@ -334,6 +347,13 @@ class AmxInt4Linear(_AmxLinear):
         words = sum(lanes[..., 32 * n : 32 * n + 32].to(torch.int32) << (4 * n) for n in range(4))
         return torch.stack([words & 0xFF, words >> 8], dim=-1).flatten(-2).to(torch.uint8)
 
+    @staticmethod
+    def pack_avx2(q: Tensor) -> Tensor:
+        # per 8 inputs 8j..8j+7: byte 4c + i = column c's input 8j + i (low nibble), 8j + 4 + i (high)
+        nb, cols, k = q.shape
+        v = q.view(nb, cols, k // 8, 2, 4).permute(0, 2, 1, 3, 4)  # [nb, k/8, 8 columns, half, 4]
+        return (v[..., 0, :] | (v[..., 1, :] << 4)).reshape(nb, k // 8, 32)
+
 
 class AmxInt8Linear(_AmxLinear):
     """8-bit weights per group of 32 inputs (``w = q * step``, ``q`` in -127..127: GGUF Q8_0), summed on
@@ -365,6 +385,12 @@ class AmxInt8Linear(_AmxLinear):
     @staticmethod
     def pack(lanes: Tensor, products: str) -> Tensor:
         return lanes
+
+    @staticmethod
+    def pack_avx2(q: Tensor) -> Tensor:
+        # per 4 inputs 4j..4j+3: byte 4c + i = column c's input 4j + i
+        nb, cols, k = q.shape
+        return q.view(nb, cols, k // 4, 4).permute(0, 2, 1, 3).reshape(nb, k // 4, 32)
 
 
 def _activation_dtype(lin: nn.Module) -> torch.dtype:
@@ -418,17 +444,28 @@ def linear_like(lin: nn.Module, weight: Tensor) -> nn.Module:
 
 
 #: The C++ 4-bit kernels (``csrc/q4_amx.cpp``) and how each sums its products.
-NATIVE_KERNELS = {"q4-amx": "amx", "q4-avx512": "avx512"}
+NATIVE_KERNELS = {"q4-amx": "amx", "q4-avx512": "avx512", "q4-avx2": "avx2"}
+PRODUCTS = tuple(NATIVE_KERNELS.values())
 KERNELS = ("auto", "plain", "mkldnn", "int8", "q4", *NATIVE_KERNELS)
 
 
+@functools.cache
+def mkldnn_bf16_runs() -> bool:
+    """Whether oneDNN packs and multiplies bf16 weights on this CPU. torch builds it everywhere, but
+    its bf16 linear needs AVX512-BW/VL/DQ or AVX-NE-CONVERT: on an AVX2-only CPU (e.g. AMD Zen 3)
+    packing raises, so it is tried once on a tiny weight instead of assumed."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    try:
+        w = torch.ops.mkldnn._reorder_linear_weight(torch.ones(16, 16, dtype=torch.bfloat16), batch_size=1)
+        torch.ops.mkldnn._linear_pointwise(torch.ones(1, 16, dtype=torch.bfloat16), w, None, "none", [], "")
+    except RuntimeError:
+        return False
+    return True
+
+
 def mkldnn_usable(model: Transformer) -> bool:
-    return (
-        model.device.type == "cpu"
-        and model.dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    )
+    return model.device.type == "cpu" and model.dtype == torch.bfloat16 and mkldnn_bf16_runs()
 
 
 def q4_usable(model: Transformer) -> bool:
@@ -452,7 +489,10 @@ def q4_native_problem(model: Transformer, kernel: str = "q4-amx") -> str | None:
     layers = _dense_layers(model)
     if not all(AmxInt4Linear.fits(lin) for lin in layers):
         return f"the {kernel} kernel needs layer output widths divisible by {AmxInt4Linear.BLOCK}"
-    if not amx.available():
+    if kernel == "q4-avx2":
+        if amx.avx2_extension() is None:
+            return "the q4-avx2 kernel needs a CPU with AVX2, FMA and F16C and a C++ compiler (use --kernel q4)"
+    elif not amx.available():
         return f"the {kernel} kernel needs a CPU with AVX512-BF16 and a C++ compiler (use --kernel q4)"
     if kernel == "q4-amx" and not amx.amx_available():
         return "the q4-amx kernel needs a CPU with AMX (use --kernel q4-avx512 or q4)"
@@ -470,6 +510,10 @@ def q4_avx512_usable(model: Transformer) -> bool:
     return q4_native_problem(model, "q4-avx512") is None
 
 
+def q4_avx2_usable(model: Transformer) -> bool:
+    return q4_native_problem(model, "q4-avx2") is None
+
+
 def q8_native_head_fits(model: Transformer, kernel: str) -> bool:
     """Whether ``kernel``'s 8-bit head (:class:`AmxInt8Linear`) takes ``model``'s LM head here
     (vocabulary divisible by 64; rows probed at the head's input width: a column's sums do not depend
@@ -478,7 +522,7 @@ def q8_native_head_fits(model: Transformer, kernel: str) -> bool:
     n, k = head.out_features, head.in_features
     return (
         AmxInt8Linear.fits(head)
-        and amx.available()
+        and (amx.avx2_extension() if kernel == "q4-avx2" else amx.extension()) is not None
         and batches_exactly(kernel.replace("q4", "q8"), min(n, 4096), k, torch.bfloat16, torch.get_num_threads())
     )
 
@@ -496,7 +540,8 @@ def use_kernels(model: Transformer, kernel: str = "auto", source: Mapping[str, T
     ``plain`` keeps ``nn.Linear`` (needed for training, and the reference mode). ``auto`` picks
     ``q4-amx`` for bf16 on an AMX CPU where the kernel builds and every layer fits it, else
     ``q4-avx512`` on an AVX512-BF16 CPU (the same C++ kernel with dot products instead of AMX tiles),
-    else ``q4``, else ``mkldnn``, else ``plain``. Measured on the bundled Q4_1 model (BENCHMARKS.md): q4 decodes
+    else ``q4-avx2`` on an AVX2 CPU (integer dot products on inputs rounded to int8 per group of 32: no
+    bf16 arithmetic there), else ``q4``, else ``mkldnn``, else ``plain``. Measured on the bundled Q4_1 model (BENCHMARKS.md): q4 decodes
     ~1.7x faster than oneDNN bf16 with the same agreement with the fp32 reference, because it runs
     the GGUF's own 4-bit weights; q4-amx runs the same weights with a one-token step 0.85-0.87 of
     q4's and verify passes nearly flat in rows (8 rows 1.22-1.28 of q4's one-token step, "Sixth round").
@@ -505,7 +550,15 @@ def use_kernels(model: Transformer, kernel: str = "auto", source: Mapping[str, T
         raise ValueError(f"unknown kernel {kernel!r}; choose from {', '.join(KERNELS)}")
     if kernel == "auto":
         kernel = (
-            ("q4-amx" if q4_amx_usable(model) else "q4-avx512" if q4_avx512_usable(model) else "q4")
+            (
+                "q4-amx"
+                if q4_amx_usable(model)
+                else "q4-avx512"
+                if q4_avx512_usable(model)
+                else "q4-avx2"
+                if q4_avx2_usable(model)
+                else "q4"
+            )
             if q4_usable(model)
             else "mkldnn"
             if mkldnn_usable(model)
@@ -527,7 +580,7 @@ def use_kernels(model: Transformer, kernel: str = "auto", source: Mapping[str, T
     if kernel in ("q4", *NATIVE_KERNELS):
         # The bundled head/embedding is Q8_0 (8-bit): 4 bits would lose accuracy there, so the head
         # keeps oneDNN bf16 where available, or under the C++ kernels its own 8-bit blocks.
-        head_wrap = PackedLinear if mkldnn_usable(model) else None
+        head_wrap = PackedLinear if mkldnn_usable(model) else _row_invariant
         if kernel in NATIVE_KERNELS and q8_native_head_fits(model, kernel):
             head_wrap = functools.partial(
                 AmxInt8Linear, source=(source or {}).get("lm_head.weight"), products=NATIVE_KERNELS[kernel]
@@ -554,6 +607,13 @@ def use_kernels(model: Transformer, kernel: str = "auto", source: Mapping[str, T
     if head_wrap is not None:
         model.lm_head = head_wrap(model.lm_head)
     return kernel
+
+
+def _row_invariant(lin: nn.Linear) -> nn.Linear:
+    """``lin`` as a :class:`RowInvariantLinear` (same parameters): a plain bf16 head on a CPU where
+    oneDNN cannot run bf16 keeps each verify row's one-row bits."""
+    lin.__class__ = RowInvariantLinear
+    return lin
 
 
 def _mantissa_bits(dtype: torch.dtype) -> int:
@@ -585,7 +645,7 @@ def argmax_rows(logits: Tensor) -> Tensor:
     takes 0.05 ms for those 8 rows and reads a bfloat16 head's output without a float32 copy.
     """
     if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16) and logits.shape[-1] > 0:
-        ext = amx.extension()
+        ext = amx.row_helpers()
         if ext is not None:
             return ext.argmax_rows(logits.contiguous())
     return logits.argmax(-1)

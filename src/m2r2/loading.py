@@ -424,7 +424,7 @@ def load_model(
     except RuntimeError as e:
         raise UnsupportedModelError(f"{model_dir}: weights do not fit the model: {e}") from e
     del sd  # the model holds them now: the kernels below free each weight as they replace it (-3.5 GB peak, 1.5B)
-    if kernel not in ("auto", "q4", "q4-amx", "q4-avx512"):
+    if kernel not in ("auto", "q4", "q4-amx", "q4-avx512", "q4-avx2"):
         source = {}  # only q4 reads the float32 copies: free them before another kernel packs its own
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight

@@ -46,7 +46,7 @@ class RMSNorm(nn.Module):
             and self.weight.dtype == torch.bfloat16
             and x.device.type == "cpu"
             and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
-            and (ext := amx.extension()) is not None
+            and (ext := amx.row_helpers()) is not None
         ):  # inference on a CPU: one C++ call (csrc/rms_norm.cpp), ~16 us less than torch's per call
             return ext.rms_norm(x.contiguous(), self.weight, self.eps)
         # low precision: one fused kernel (it accumulates in float32 internally)
@@ -206,7 +206,7 @@ def row_kernel(dtype: torch.dtype, device: torch.device) -> ModuleType | None:
     """The C++ row attention (``csrc/row_attention.cpp``) where passes of a few rows use it: for
     low-precision CPU tensors, where the extension builds (:mod:`m2r2.amx`). Its bits for a row do not
     depend on where the row's keys sit, so a tree pass needs no :class:`GappedMask` gathers."""
-    return amx.extension() if attends_in_float32(dtype, device) else None
+    return amx.row_helpers() if attends_in_float32(dtype, device) else None
 
 
 #: key/value dtypes the C++ row attention reads in place (a bfloat16 cache is widened exactly as it is read)

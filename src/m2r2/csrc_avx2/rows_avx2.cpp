@@ -1,0 +1,254 @@
+// The per-row helpers of csrc/ (RMSNorm, greedy argmax) for CPUs with AVX2 but no AVX-512.
+//
+// Why: without them a SmolLM2 step on an AVX2 CPU spends ~60 us in each of its 61 torch RMSNorm calls
+// (bf16 there runs through float32 conversions) and ~0.1 ms a row in torch's argmax over 49k logits.
+// The arithmetic is csrc/rms_norm.cpp's and csrc/argmax.cpp's with 8 lanes: a row's bits depend on that
+// row alone, and the argmax keeps torch's rule (the first of equal maxima; the first NaN wins).
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+namespace {
+
+// 8 elements as float32 (bfloat16 widened exactly); n < 8 reads only n (the rest 0)
+inline __m256 load8(const float* p, int64_t n) {
+  if (n >= 8) return _mm256_loadu_ps(p);
+  alignas(32) float t[8] = {};
+  std::memcpy(t, p, n * sizeof(float));
+  return _mm256_load_ps(t);
+}
+inline __m256 load8(const at::BFloat16* p, int64_t n) {
+  __m128i raw;
+  if (n >= 8) {
+    raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  } else {
+    alignas(16) uint16_t t[8] = {};
+    std::memcpy(t, p, n * sizeof(uint16_t));
+    raw = _mm_load_si128(reinterpret_cast<const __m128i*>(t));
+  }
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+// float32 -> bfloat16 bits, rounding to nearest even (finite values, as c10::BFloat16)
+inline __m256i to_bf16_bits(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  return _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+}
+inline __m256 round_bf16(__m256 v) { return _mm256_castsi256_ps(_mm256_slli_epi32(to_bf16_bits(v), 16)); }
+
+template <typename T>
+int64_t argmax_row(const T* row, int64_t V) {
+  __m256 mx = _mm256_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < V; j += 8) {
+    const int64_t n = std::min<int64_t>(8, V - j);
+    __m256 x = load8(row + j, n);
+    const int nan = _mm256_movemask_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)) & ((1 << n) - 1);
+    if (nan) return j + __builtin_ctz(nan);  // the first NaN (torch treats NaN as the maximum)
+    if (n < 8) {  // lanes past the row's end count as -inf, not as the 0 they were loaded as
+      const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+      const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lane));
+      x = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), x, valid);
+    }
+    mx = _mm256_max_ps(mx, x);
+  }
+  const float best_value = hmax(mx);
+  const __m256 best = _mm256_set1_ps(best_value);
+  for (int64_t j = 0; j < V; j += 8) {
+    const int64_t n = std::min<int64_t>(8, V - j);
+    const int hit = _mm256_movemask_ps(_mm256_cmp_ps(load8(row + j, n), best, _CMP_EQ_OQ)) & ((1 << n) - 1);
+    if (hit) return j + __builtin_ctz(hit);
+  }
+  return 0;  // not reached: the maximum is in the row
+}
+
+}  // namespace
+
+// x [..., D] bfloat16 contiguous; w [D] bfloat16. Returns bfloat16 like x (csrc/rms_norm.cpp's order).
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x: contiguous bfloat16");
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.dim() == 1, "w: contiguous bfloat16 [D]");
+  const int64_t D = w.size(0);
+  TORCH_CHECK(x.size(-1) == D, "x's last dimension must equal the weight's");
+  auto out = torch::empty_like(x);
+  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+  const at::BFloat16* wp = w.data_ptr<at::BFloat16>();
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const int64_t rows = D ? x.numel() / D : 0;
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const at::BFloat16* row = xp + r * D;
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t d = 0; d < D; d += 8) {
+        const __m256 v = load8(row + d, D - d);
+        acc = _mm256_fmadd_ps(v, v, acc);
+      }
+      const __m256 scale = _mm256_set1_ps(1.0f / std::sqrt(hsum(acc) / static_cast<float>(D) + e));
+      for (int64_t d = 0; d < D; d += 8) {
+        const int64_t n = std::min<int64_t>(8, D - d);
+        const __m256 v = round_bf16(_mm256_mul_ps(load8(row + d, n), scale));
+        const __m256i b = to_bf16_bits(_mm256_mul_ps(v, load8(wp + d, n)));
+        alignas(32) uint16_t t[16];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(t), _mm256_permute4x64_epi64(_mm256_packus_epi32(b, b), 0x08));
+        std::memcpy(op + r * D + d, t, n * sizeof(uint16_t));
+      }
+    }
+  });
+  return out;
+}
+
+// x [..., V] float32 or bfloat16, contiguous. Returns int64 [...].
+torch::Tensor argmax_rows(torch::Tensor x) {
+  TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.is_contiguous() && x.dim() >= 1,
+              "x: contiguous float32 or bfloat16 [..., V]");
+  const int64_t V = x.size(-1);
+  TORCH_CHECK(V > 0, "argmax of an empty row");
+  auto sizes = x.sizes().vec();
+  sizes.pop_back();
+  auto out = torch::empty(sizes, x.options().dtype(at::kLong));
+  const int64_t rows = x.numel() / V;
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      op[r] = x.scalar_type() == at::kFloat ? argmax_row(x.data_ptr<float>() + r * V, V)
+                                            : argmax_row(x.data_ptr<at::BFloat16>() + r * V, V);
+  });
+  return out;
+}
+
+namespace {
+
+// exp(x) for 8 lanes (csrc/row_attention.cpp's polynomial; 2^n built from its exponent bits, so x is
+// clamped to >= -87.3, where exp is below float32's smallest normal anyway). Lanes are independent.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-87.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+inline __m256 load_row8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load_row8(const at::BFloat16* p) { return load8(p, 8); }
+
+// One query row of one key head: its G query vectors attend the allowed keys in increasing cache
+// position, every sum in that order (a score's multiply-adds over D in chunks of 8, one horizontal
+// sum; the sum of exponentials and each output lane's weighted values key by key), so a row's bits
+// are the same wherever its keys sit and whatever rows run beside it.
+template <typename KT>
+void attend_row(const float* q, int64_t qstride, const KT* kb, int64_t ks, const KT* vb, int64_t vs, const bool* m,
+                int64_t S, int64_t G, int64_t D, float sc, float* out, std::vector<int32_t>& keys,
+                std::vector<float>& e) {
+  keys.resize(S);
+  int64_t n = 0;
+  for (int64_t s = 0; s < S; ++s)
+    if (m[s]) keys[n++] = static_cast<int32_t>(s);
+  if (n == 0) {  // no key: the row attends nothing (zeros, as csrc/row_attention.cpp gives)
+    std::fill(out, out + G * D, 0.0f);
+    return;
+  }
+  e.resize(G * (n + 8));
+  for (int64_t i = 0; i < n; ++i) {
+    const KT* k = kb + keys[i] * ks;
+    for (int64_t g = 0; g < G; ++g) {
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * qstride + d), load_row8(k + d), acc);
+      e[g * (n + 8) + i] = hsum(acc) * sc;
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* eg = e.data() + g * (n + 8);
+    float mx = -INFINITY;
+    for (int64_t i = 0; i < n; ++i) mx = std::max(mx, eg[i]);
+    for (int64_t i = n; i < n + 8; ++i) eg[i] = mx;  // padding: the last block's spare lanes
+    for (int64_t i = 0; i < n; i += 8)
+      _mm256_storeu_ps(eg + i, exp8(_mm256_sub_ps(_mm256_loadu_ps(eg + i), _mm256_set1_ps(mx))));
+    float tot = 0.0f;
+    for (int64_t i = 0; i < n; ++i) tot += eg[i];
+    float* o = out + g * D;
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {  // up to 8 registers of output lanes at a time
+      const int64_t chunks = std::min<int64_t>(8, (D - d0) / 8);
+      __m256 acc[8];
+      for (int c = 0; c < chunks; ++c) acc[c] = _mm256_setzero_ps();
+      for (int64_t i = 0; i < n; ++i) {
+        const __m256 p = _mm256_set1_ps(eg[i]);
+        const KT* v = vb + keys[i] * vs + d0;
+        for (int c = 0; c < chunks; ++c) acc[c] = _mm256_fmadd_ps(p, load_row8(v + 8 * c), acc[c]);
+      }
+      const __m256 inv = _mm256_set1_ps(tot);
+      for (int c = 0; c < chunks; ++c) _mm256_storeu_ps(o + d0 + 8 * c, _mm256_div_ps(acc[c], inv));
+    }
+  }
+}
+
+template <typename KT>
+void run_rows(const float* qp, const KT* kp, const KT* vp, const bool* mp, float* op, int64_t B, int64_t H, int64_t T,
+              int64_t D, int64_t KVH, int64_t S, const int64_t* kv, int64_t mb, float sc) {
+  const int64_t G = H / KVH;
+  at::parallel_for(0, B * KVH * T, 1, [&](int64_t i0, int64_t i1) {
+    thread_local std::vector<int32_t> keys;
+    thread_local std::vector<float> e;
+    for (int64_t item = i0; item < i1; ++item) {
+      const int64_t b = item / (KVH * T), h = item / T % KVH, t = item % T;
+      attend_row(qp + ((b * H + h * G) * T + t) * D, T * D, kp + b * kv[0] + h * kv[1], kv[2], vp + b * kv[3] + h * kv[4],
+                 kv[5], mp + b * mb + t * S, S, G, D, sc, op + ((b * T + t) * H + h * G) * D, keys, e);
+    }
+  });
+}
+
+}  // namespace
+
+// csrc/row_attention.cpp's interface: q [B, H, T, D] float32 contiguous; k, v [B, KVH, S, D] float32 or
+// bfloat16 with unit stride in D (D a multiple of 8); mask bool [Bm, T, S] contiguous, Bm = 1 or B.
+// Returns [B, T, H, D] float32.
+torch::Tensor row_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask, double scale) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous() && q.dim() == 4, "q: contiguous float32 [B, H, T, D]");
+  TORCH_CHECK((k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16) &&
+                  v.scalar_type() == k.scalar_type() && k.dim() == 4 && v.dim() == 4,
+              "k, v: float32 or bfloat16 [B, KVH, S, D], the same dtype");
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1 && k.sizes() == v.sizes(), "k, v: same shape, unit stride in D");
+  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.is_contiguous() && mask.dim() == 3, "mask: contiguous bool [B, T, S]");
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3);
+  const int64_t KVH = k.size(1), S = k.size(2);
+  TORCH_CHECK(k.size(0) == B && k.size(3) == D && H % KVH == 0 && D % 8 == 0, "shapes do not match");
+  TORCH_CHECK((mask.size(0) == 1 || mask.size(0) == B) && mask.size(1) == T && mask.size(2) == S, "mask shape");
+  auto out = torch::empty({B, T, H, D}, q.options());
+  const int64_t kv[6] = {k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2)};
+  const int64_t mb = mask.size(0) == 1 ? 0 : T * S;
+  const float sc = static_cast<float>(scale);
+  if (k.scalar_type() == at::kFloat)
+    run_rows(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), mask.data_ptr<bool>(), out.data_ptr<float>(),
+             B, H, T, D, KVH, S, kv, mb, sc);
+  else
+    run_rows(q.data_ptr<float>(), k.data_ptr<at::BFloat16>(), v.data_ptr<at::BFloat16>(), mask.data_ptr<bool>(),
+             out.data_ptr<float>(), B, H, T, D, KVH, S, kv, mb, sc);
+  return out;
+}
