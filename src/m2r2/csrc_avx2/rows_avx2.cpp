@@ -166,7 +166,7 @@ inline __m256 load_row8(const at::BFloat16* p) { return load8(p, 8); }
 template <typename KT>
 void attend_row(const float* q, int64_t qstride, const KT* kb, int64_t ks, const KT* vb, int64_t vs, const bool* m,
                 int64_t S, int64_t G, int64_t D, float sc, float* out, std::vector<int32_t>& keys,
-                std::vector<float>& e) {
+                std::vector<float>& e, std::vector<float>& kf) {
   keys.resize(S);
   int64_t n = 0;
   for (int64_t s = 0; s < S; ++s)
@@ -176,12 +176,22 @@ void attend_row(const float* q, int64_t qstride, const KT* kb, int64_t ks, const
     return;
   }
   e.resize(G * (n + 8));
-  for (int64_t i = 0; i < n; ++i) {
-    const KT* k = kb + keys[i] * ks;
+  kf.resize(4 * D);
+  // scores four keys at a time (four independent chains of multiply-adds; each key's own in D order),
+  // each key widened to float32 once for all G query vectors
+  for (int64_t i0 = 0; i0 < n; i0 += 4) {
+    const int64_t nb = std::min<int64_t>(4, n - i0);
+    for (int64_t j = 0; j < 4; ++j) {
+      const KT* k = kb + keys[i0 + std::min(j, nb - 1)] * ks;  // a short block repeats its last key
+      for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(kf.data() + j * D + d, load_row8(k + d));
+    }
     for (int64_t g = 0; g < G; ++g) {
-      __m256 acc = _mm256_setzero_ps();
-      for (int64_t d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * qstride + d), load_row8(k + d), acc);
-      e[g * (n + 8) + i] = hsum(acc) * sc;
+      __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+      for (int64_t d = 0; d < D; d += 8) {
+        const __m256 qd = _mm256_loadu_ps(q + g * qstride + d);
+        for (int j = 0; j < 4; ++j) acc[j] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kf.data() + j * D + d), acc[j]);
+      }
+      for (int64_t j = 0; j < nb; ++j) e[g * (n + 8) + i0 + j] = hsum(acc[j]) * sc;
     }
   }
   for (int64_t g = 0; g < G; ++g) {
@@ -215,11 +225,11 @@ void run_rows(const float* qp, const KT* kp, const KT* vp, const bool* mp, float
   const int64_t G = H / KVH;
   at::parallel_for(0, B * KVH * T, 1, [&](int64_t i0, int64_t i1) {
     thread_local std::vector<int32_t> keys;
-    thread_local std::vector<float> e;
+    thread_local std::vector<float> e, kf;
     for (int64_t item = i0; item < i1; ++item) {
       const int64_t b = item / (KVH * T), h = item / T % KVH, t = item % T;
       attend_row(qp + ((b * H + h * G) * T + t) * D, T * D, kp + b * kv[0] + h * kv[1], kv[2], vp + b * kv[3] + h * kv[4],
-                 kv[5], mp + b * mb + t * S, S, G, D, sc, op + ((b * T + t) * H + h * G) * D, keys, e);
+                 kv[5], mp + b * mb + t * S, S, G, D, sc, op + ((b * T + t) * H + h * G) * D, keys, e, kf);
     }
   });
 }
