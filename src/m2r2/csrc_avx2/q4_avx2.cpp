@@ -82,6 +82,11 @@ void quantize_rows(const at::BFloat16* x, int64_t M, int64_t K, int8_t* q, float
     }
 }
 
+// 4 int8 inputs repeated over a register, loaded straight into it (a load-port broadcast, no ALU op)
+inline __m256i broadcast4(const int8_t* p) {
+  return _mm256_castps_si256(_mm256_broadcast_ss(reinterpret_cast<const float*>(p)));
+}
+
 // float32 -> bfloat16, rounding to nearest even (as c10::BFloat16 does for finite values)
 inline void store_bf16(uint16_t* y, __m256 v) {
   const __m256i bits = _mm256_castps_si256(v);
@@ -114,11 +119,9 @@ inline void block_rows(const uint8_t* qb, const at::Half* sb, const int8_t* xq, 
         const __m256i lo = _mm256_and_si256(bytes, low4);
         const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
         for (int r = 0; r < R; ++r) {
-          int32_t xa, xb;
-          std::memcpy(&xa, xq + r * K + g * 32 + 8 * h, 4);
-          std::memcpy(&xb, xq + r * K + g * 32 + 8 * h + 4, 4);
-          const __m256i pa = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xa));
-          const __m256i pb = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xb));
+          const int8_t* xr = xq + r * K + g * 32 + 8 * h;
+          const __m256i pa = _mm256_maddubs_epi16(lo, broadcast4(xr));
+          const __m256i pb = _mm256_maddubs_epi16(hi, broadcast4(xr + 4));
           s16[r] = _mm256_add_epi16(s16[r], _mm256_add_epi16(pa, pb));
         }
       }
@@ -130,9 +133,7 @@ inline void block_rows(const uint8_t* qb, const at::Half* sb, const int8_t* xq, 
         const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + 32 * j));
         const __m256i aw = _mm256_abs_epi8(w);
         for (int r = 0; r < R; ++r) {
-          int32_t xa;
-          std::memcpy(&xa, xq + r * K + g * 32 + 4 * j, 4);
-          const __m256i sx = _mm256_sign_epi8(_mm256_set1_epi32(xa), w);
+          const __m256i sx = _mm256_sign_epi8(broadcast4(xq + r * K + g * 32 + 4 * j), w);
           sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones));
         }
       }
