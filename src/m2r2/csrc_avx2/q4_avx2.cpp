@@ -114,6 +114,8 @@ inline void block_rows(const uint8_t* qb, const at::Half* sb, const int8_t* xq, 
       __m256i s16[R];
       for (int r = 0; r < R; ++r) s16[r] = _mm256_setzero_si256();
       const __m256i low4 = _mm256_set1_epi8(0x0F);
+      // kept rolled: unrolled, the compiler computed all 32 products before adding them and spilled them
+#pragma GCC unroll 1
       for (int h = 0; h < 4; ++h) {
         const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + 32 * h));
         const __m256i lo = _mm256_and_si256(bytes, low4);
@@ -129,6 +131,7 @@ inline void block_rows(const uint8_t* qb, const at::Half* sb, const int8_t* xq, 
     } else {
       // signed x signed: |w| times x with w's sign (two products of 127 * 127 fit a 16-bit lane)
       for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_si256();
+#pragma GCC unroll 1
       for (int j = 0; j < 8; ++j) {
         const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + 32 * j));
         const __m256i aw = _mm256_abs_epi8(w);
