@@ -51,6 +51,7 @@ LDFLAGS = ["-fopenmp"]  # at::parallel_for is inline: without OpenMP here it wou
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16")
 AMX_FLAGS = ("amx_bf16", "amx_tile")
 AVX2_SOURCES = sorted(Path(__file__).with_name("csrc_avx2").glob("*.cpp"))
+AVX2_HEADERS = sorted(Path(__file__).with_name("csrc_avx2").glob("*.h"))
 AVX2_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 AVX2_CPU_FLAGS = ("avx2", "fma", "f16c")
 #: Set to 1 to keep the kernel off (a reference run, or a machine where building misbehaves).
@@ -71,7 +72,7 @@ def avx2_extension() -> ModuleType | None:
     AVX-512), or None where this machine cannot build or run them."""
     if not all(cpu_has(f) for f in AVX2_CPU_FLAGS):
         return None
-    return _build("q4_avx2", AVX2_SOURCES, [], AVX2_FLAGS)
+    return _build("q4_avx2", AVX2_SOURCES, AVX2_HEADERS, AVX2_FLAGS)
 
 
 def _build(name: str, sources: list[Path], headers: list[Path], flags: list[str]) -> ModuleType | None:

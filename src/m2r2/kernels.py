@@ -542,9 +542,10 @@ def use_kernels(model: Transformer, kernel: str = "auto", source: Mapping[str, T
     ``q4-avx512`` on an AVX512-BF16 CPU (the same C++ kernel with dot products instead of AMX tiles),
     else ``q4-avx2`` on an AVX2 CPU (integer dot products on inputs rounded to int8 per group of 32: no
     bf16 arithmetic there), else ``q4``, else ``mkldnn``, else ``plain``. Measured on the bundled Q4_1
-    model (BENCHMARKS.md): q4 decodes ~1.7x faster than oneDNN bf16 with the same agreement with the fp32 reference, because it runs
-    the GGUF's own 4-bit weights; q4-amx runs the same weights with a one-token step 0.85-0.87 of
-    q4's and verify passes nearly flat in rows (8 rows 1.22-1.28 of q4's one-token step, "Sixth round").
+    model (BENCHMARKS.md): q4 decodes ~1.7x faster than oneDNN bf16 with the same agreement with the
+    fp32 reference, because it runs the GGUF's own 4-bit weights; q4-amx runs the same weights with a
+    one-token step 0.85-0.87 of q4's and verify passes nearly flat in rows (8 rows 1.22-1.28 of q4's
+    one-token step, "Sixth round"); q4-avx2 decodes 2.25x faster than q4 on a Zen 3 core ("Fifteenth round").
     """
     if kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; choose from {', '.join(KERNELS)}")

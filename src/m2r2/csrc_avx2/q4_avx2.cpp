@@ -23,33 +23,24 @@
 #include <immintrin.h>
 #include <torch/extension.h>
 
+#include "simd2.h"
+
 #include <cstring>
 #include <type_traits>
 #include <vector>
 
 namespace {
 
+using namespace m2r2_avx2;
+
 constexpr int64_t NB = 8;  // columns per block: one register of 8 float32 sums
 constexpr int MB = 4;      // rows per pass over a block's weights
-
-inline float hmax(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_movehdup_ps(m));
-  return _mm_cvtss_f32(m);
-}
 
 inline int32_t hsum(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
   s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
   s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
   return _mm_cvtsi128_si32(s);
-}
-
-// 8 bfloat16 as float32 (exact: its 16 bits on top)
-inline __m256 widen8(const at::BFloat16* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
 
 // Each row's inputs as int8 per group of 32: q = round(x / dx), dx = max|x| / 127 (0 for a zero
@@ -64,7 +55,7 @@ void quantize_rows(const at::BFloat16* x, int64_t M, int64_t K, int8_t* q, float
       __m256 v[4];
       __m256 amax = _mm256_setzero_ps();
       for (int t = 0; t < 4; ++t) {
-        v[t] = widen8(xg + 8 * t);
+        v[t] = load8(xg + 8 * t, 8);
         amax = _mm256_max_ps(amax, _mm256_and_ps(v[t], abs_mask));
       }
       const float m = hmax(amax);
@@ -85,15 +76,6 @@ void quantize_rows(const at::BFloat16* x, int64_t M, int64_t K, int8_t* q, float
 // 4 int8 inputs repeated over a register, loaded straight into it (a load-port broadcast, no ALU op)
 inline __m256i broadcast4(const int8_t* p) {
   return _mm256_castps_si256(_mm256_broadcast_ss(reinterpret_cast<const float*>(p)));
-}
-
-// float32 -> bfloat16, rounding to nearest even (as c10::BFloat16 does for finite values)
-inline void store_bf16(uint16_t* y, __m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(y), _mm256_castsi256_si128(packed));
 }
 
 // One block of 8 columns for R rows (xq, step, qsum at the first row; row strides K and G): every
@@ -152,7 +134,7 @@ inline void block_rows(const uint8_t* qb, const at::Half* sb, const int8_t* xq, 
       for (int r = 0; r < R; ++r) out[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(qsum[r * G + g]), out[r]);
     }
   }
-  for (int r = 0; r < R; ++r) store_bf16(y + r * N, out[r]);
+  for (int r = 0; r < R; ++r) store8_bf16(y + r * N, out[r]);
 }
 
 template <int BITS>

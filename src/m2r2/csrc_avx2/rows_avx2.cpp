@@ -8,52 +8,16 @@
 #include <immintrin.h>
 #include <torch/extension.h>
 
+#include "simd2.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 
 namespace {
 
-// 8 elements as float32 (bfloat16 widened exactly); n < 8 reads only n (the rest 0)
-inline __m256 load8(const float* p, int64_t n) {
-  if (n >= 8) return _mm256_loadu_ps(p);
-  alignas(32) float t[8] = {};
-  std::memcpy(t, p, n * sizeof(float));
-  return _mm256_load_ps(t);
-}
-inline __m256 load8(const at::BFloat16* p, int64_t n) {
-  __m128i raw;
-  if (n >= 8) {
-    raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  } else {
-    alignas(16) uint16_t t[8] = {};
-    std::memcpy(t, p, n * sizeof(uint16_t));
-    raw = _mm_load_si128(reinterpret_cast<const __m128i*>(t));
-  }
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
+using namespace m2r2_avx2;
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-inline float hmax(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_movehdup_ps(m));
-  return _mm_cvtss_f32(m);
-}
-
-// float32 -> bfloat16 bits, rounding to nearest even (finite values, as c10::BFloat16)
-inline __m256i to_bf16_bits(__m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  return _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
-}
-inline __m256 round_bf16(__m256 v) { return _mm256_castsi256_ps(_mm256_slli_epi32(to_bf16_bits(v), 16)); }
 
 template <typename T>
 int64_t argmax_row(const T* row, int64_t V) {
