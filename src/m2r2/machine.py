@@ -21,14 +21,23 @@ def default_device() -> str:
 
 
 def cpu_name() -> str:
-    """The CPU's model name (for results files and machine-specific caches)."""
+    """The CPU's model name and its widest vector arithmetic (for results files and machine-specific
+    caches): a VM often reports only "AMD EPYC", which names a Zen 3 with AVX2 and a Zen 5 with
+    AVX512-BF16 alike, and the kernels (and so every timing) differ between the two."""
+    name = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+                name = line.split(":", 1)[1].strip()
+                break
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    isa = next((label for flag, label in _VECTOR_ISAS if cpu_has(flag)), "")
+    return f"{name} ({isa})" if isa else name
+
+
+#: ``/proc/cpuinfo`` flags naming the vector arithmetic the kernels use, widest first
+_VECTOR_ISAS = (("amx_bf16", "AMX"), ("avx512_bf16", "AVX512-BF16"), ("avx512f", "AVX-512"), ("avx2", "AVX2"))
 
 
 def cpu_has(flag: str) -> bool:
