@@ -255,8 +255,10 @@ class _AmxLinear(nn.Module):
     """What the C++ integer kernels share: integer weights ``q`` packed per block of 64 columns in the
     VNNI pair layout (``qbytes``), float16 terms per column and group of 32 inputs (``scales``), and the
     C++ op ``OP`` that sums them, on AMX tiles (``products="amx"``) or with AVX512-BF16 dot products
-    (``"avx512"``: CPUs without AMX, e.g. AMD Zen 4/5; other bits, the same weights). A subclass gives
-    the integers, the terms and how lanes pack to bytes."""
+    (``"avx512"``: CPUs without AMX, e.g. AMD Zen 4/5; other bits, the same weights), or, on CPUs with
+    AVX2 only (``"avx2"``, e.g. AMD Zen 3), with byte dot products on inputs rounded to int8 per group of
+    32 (blocks of 8 columns, its own layout: :meth:`pack_avx2`). A subclass gives the integers, the terms
+    and how they pack to bytes."""
 
     BLOCK = 64
     GROUP = 32
@@ -443,7 +445,7 @@ def linear_like(lin: nn.Module, weight: Tensor) -> nn.Module:
     return plain
 
 
-#: The C++ 4-bit kernels (``csrc/q4_amx.cpp``) and how each sums its products.
+#: The C++ 4-bit kernels (``csrc/q4_amx.cpp``, ``csrc_avx2/q4_avx2.cpp``) and how each sums its products.
 NATIVE_KERNELS = {"q4-amx": "amx", "q4-avx512": "avx512", "q4-avx2": "avx2"}
 PRODUCTS = tuple(NATIVE_KERNELS.values())
 KERNELS = ("auto", "plain", "mkldnn", "int8", "q4", *NATIVE_KERNELS)
