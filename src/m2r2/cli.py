@@ -51,7 +51,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         "summed on AMX (built once with the C++ compiler, ~40 s; a one-token step ~0.86 of q4's, a verify pass "
         "of 8 rows ~1.25 of it instead of ~2); q4-avx512 = the same C++ kernel with AVX512-BF16 dot products "
         "(AMD Zen 4/5); q4-avx2 = the same weights times inputs rounded to int8 per group of 32, as llama.cpp "
-        "runs them (AMD Zen 2/3, older Intel: ~3.5x faster than q4 there); mkldnn = oneDNN pre-packed bf16; "
+        "runs them (AMD Zen 2/3, older Intel: ~2x faster than q4 there); mkldnn = oneDNN pre-packed bf16; "
         "plain = torch; int8 = weight-only int8 (lossy, not recommended)",
     )
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
