@@ -573,7 +573,7 @@ def use_kernels(model: Transformer, kernel: str = "auto", source: Mapping[str, T
         raise ValueError(f"the {kernel} kernel needs bf16 activations on a CPU")
     if kernel == "plain" and model.dtype != torch.float32 and model.device.type == "cpu":
         for lin in [model.lm_head, *(m for b in model.layers for m in b.modules() if type(m) is nn.Linear)]:
-            lin.__class__ = RowInvariantLinear  # same parameters; only the forward changes
+            _row_invariant(lin)
     wrap: Callable[..., nn.Module] | None = {"mkldnn": PackedLinear, "int8": Int8Linear, "q4": Int4Linear}.get(kernel)
     if kernel in NATIVE_KERNELS:
         if problem := q4_native_problem(model, kernel):
@@ -613,8 +613,8 @@ def use_kernels(model: Transformer, kernel: str = "auto", source: Mapping[str, T
 
 
 def _row_invariant(lin: nn.Linear) -> nn.Linear:
-    """``lin`` as a :class:`RowInvariantLinear` (same parameters): a plain bf16 head on a CPU where
-    oneDNN cannot run bf16 keeps each verify row's one-row bits."""
+    """``lin`` as a :class:`RowInvariantLinear`: the same parameters, only the forward changes (the
+    ``plain`` kernel's layers in bf16, and a bf16 head on a CPU where oneDNN cannot run bf16)."""
     lin.__class__ = RowInvariantLinear
     return lin
 

@@ -25,8 +25,6 @@
 
 #include "simd2.h"
 
-#include <cstring>
-#include <type_traits>
 #include <vector>
 
 namespace {

@@ -70,9 +70,8 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
       for (int64_t d = 0; d < D; d += 8) {
         const int64_t n = std::min<int64_t>(8, D - d);
         const __m256 v = round_bf16(_mm256_mul_ps(load8(row + d, n), scale));
-        const __m256i b = to_bf16_bits(_mm256_mul_ps(v, load8(wp + d, n)));
-        alignas(32) uint16_t t[16];
-        _mm256_store_si256(reinterpret_cast<__m256i*>(t), _mm256_permute4x64_epi64(_mm256_packus_epi32(b, b), 0x08));
+        uint16_t t[8];
+        store8_bf16(t, _mm256_mul_ps(v, load8(wp + d, n)));
         std::memcpy(op + r * D + d, t, n * sizeof(uint16_t));
       }
     }
