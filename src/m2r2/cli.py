@@ -223,11 +223,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    from m2r2.cache import Conversation
     from m2r2.tokenizer import Message, messages_for
 
     gen = _gen_config(args)
     engine = _engine(args)
     history: list[Message] = []
+    session = Conversation()  # each turn prefills only the new message (the history's K/V are kept)
     print("m2r2 chat: type a message, /reset to clear the history, /quit or Ctrl-D to leave.", file=sys.stderr)
     while True:
         try:
@@ -242,6 +244,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             return 0
         if cmd == "/reset":
             history.clear()
+            session.reset()
             continue
         messages = messages_for(line, args.system, history)
         sys.stdout.write("bot> ")
@@ -251,6 +254,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 method=args.method,
                 gen=gen,
                 stream=_Printer(engine.tokenizer.decode),
+                session=session,
                 **_method_options(args.option),
             )
         except M2R2Error as e:
@@ -292,6 +296,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         policies=_csv(args.policies),
         adapters=Path(args.adapters) if args.adapters else None,
         full=args.full,
+        fresh_turns=args.fresh_turns,
         command=shlex.join(["m2r2", *args.argv]),
         options=_scoped_options(args.option),
     )
@@ -599,6 +604,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--limit", type=int, default=10, help="number of prompts (default 10; 0 = all)")
     b.add_argument("--max-new-tokens", type=int, default=128, help="token budget per turn (default 128)")
     b.add_argument("--warmup", type=int, default=1, help="warm-up prompts per method, not timed (default 1)")
+    b.add_argument(
+        "--fresh-turns",
+        action="store_true",
+        help="prefill every turn's whole history (default: a later turn reuses the K/V cache of the earlier "
+        "ones, as `m2r2 chat` does; methods that cannot, such as hf-pld, always prefill it all)",
+    )
     b.add_argument("--out", default="bench-out", help="output directory (default bench-out)")
     b.add_argument(
         "--option",

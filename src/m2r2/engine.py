@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from m2r2.cache import Conversation
 from m2r2.decoding import AUTO_METHOD, DEFAULT_METHOD, build_strategy, check_options, method_names
 from m2r2.decoding.base import GenerationConfig, GenerationResult, Strategy, StreamCallback, trim_stop_text
 from m2r2.errors import UnknownNameError
@@ -43,6 +44,8 @@ class Completion:
         acc = r.stats.get("mean_accepted")
         if acc is not None:
             line += f", mean accepted {acc:.2f} tokens/verify"
+        if reused := r.stats.get("prompt_reused"):
+            line += f", {reused} of {r.prompt_tokens} prompt tokens cached"
         return line + f" (stop: {r.stop_reason})"
 
     def to_json(self) -> dict[str, Any]:
@@ -119,10 +122,19 @@ class Engine:
         method: str = DEFAULT_METHOD,
         gen: GenerationConfig | None = None,
         stream: StreamCallback | None = None,
+        session: Conversation | None = None,
         **options: Any,
     ) -> GenerationResult:
+        """Generate after ``prompt_ids``; ``session`` carries a conversation's KV cache from turn to turn
+        (a later turn prefills only what the earlier ones have not seen; ``stats["prompt_reused"]``)."""
         gen = (gen or GenerationConfig()).validate()
-        return self.strategy(method, **options).generate(prompt_ids, gen, stream)
+        strategy = self.strategy(method, **options)
+        if session is None:
+            return strategy.generate(prompt_ids, gen, stream)
+        session.reused = 0
+        result = strategy.generate(prompt_ids, gen, stream, session=session)
+        result.stats["prompt_reused"] = session.reused
+        return result
 
     def chat(
         self,
@@ -130,13 +142,15 @@ class Engine:
         method: str = DEFAULT_METHOD,
         gen: GenerationConfig | None = None,
         stream: StreamCallback | None = None,
+        session: Conversation | None = None,
         **options: Any,
     ) -> Completion:
-        """Answer the last user message of ``messages`` (chat template applied)."""
+        """Answer the last user message of ``messages`` (chat template applied); ``session``: the
+        conversation's cache, carried from turn to turn (:meth:`generate_ids`)."""
         gen = (gen or GenerationConfig()).validate()
         method = self.resolve_method(method, **options)
         ids = self.tokenizer.encode_chat(messages)
-        result = self.generate_ids(ids, method, gen, stream, **options)
+        result = self.generate_ids(ids, method, gen, stream, session, **options)
         text = self.tokenizer.decode(result.tokens)
         if gen.stop:
             text = trim_stop_text(text, gen.stop)

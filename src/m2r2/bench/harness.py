@@ -19,6 +19,7 @@ from tqdm import tqdm
 from m2r2.bench.datasets import Dataset, Prompt, load_dataset
 from m2r2.bench.report import write_report
 from m2r2.bench.results import BenchSettings, check_out_dir, environment, save_results
+from m2r2.cache import Conversation
 from m2r2.decoding import check_options, method_names
 from m2r2.decoding.base import GenerationConfig
 from m2r2.engine import Engine
@@ -92,9 +93,17 @@ def run_options(options: dict[str, dict[str, Any]], runs: list[tuple[str, list[s
 
 
 def answer(
-    engine: Engine, prompt: Prompt, method: str, gen: GenerationConfig, options: dict[str, Any] | None = None
+    engine: Engine,
+    prompt: Prompt,
+    method: str,
+    gen: GenerationConfig,
+    options: dict[str, Any] | None = None,
+    fresh_turns: bool = False,
 ) -> dict[str, Any]:
-    """All turns of ``prompt``; later turns see this method's own earlier answers, as in MT-Bench."""
+    """All turns of ``prompt``; later turns see this method's own earlier answers, as in MT-Bench, and
+    reuse the K/V cache of the earlier turns (one :class:`Conversation` per prompt and method) unless
+    ``fresh_turns``."""
+    session = None if fresh_turns else Conversation()
     messages: list[dict[str, str]] = []
     ids: list[list[int]] = []
     texts: list[str] = []
@@ -102,7 +111,7 @@ def answer(
     seconds = 0.0
     for turn in prompt.turns:
         messages.append({"role": "user", "content": turn})
-        out = engine.chat(messages, method=method_of(method), gen=gen, **(options or {}))
+        out = engine.chat(messages, method=method_of(method), gen=gen, session=session, **(options or {}))
         messages.append({"role": "assistant", "content": out.text})
         ids.append(out.result.tokens)
         texts.append(out.text)
@@ -136,6 +145,7 @@ def run_one(
     warmup: int,
     on_row: Callable[[dict[str, Any]], None] | None = None,
     options: dict[str, dict[str, Any]] | None = None,
+    fresh_turns: bool = False,
 ) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
     """Warm up, then interleave: for each prompt, each method, starting one method later each prompt
     (whatever runs after a slow method or first after a prompt switch is not always the same one;
@@ -152,7 +162,7 @@ def run_one(
         tqdm(data.prompts, desc=f"{data.name} ({', '.join(methods)})", unit="prompt", file=sys.stderr)
     ):
         order = methods[i % len(methods) :] + methods[: i % len(methods)]  # rotated: no method always runs first
-        runs = {m: answer(engine, p, m, gen, options.get(m)) for m in order}
+        runs = {m: answer(engine, p, m, gen, options.get(m), fresh_turns) for m in order}
         runs = {m: runs[m] for m in methods}
         base = runs[methods[0]]
         for r in runs.values():
@@ -205,6 +215,7 @@ def run_bench(engine: Engine, settings: BenchSettings) -> dict[str, Any]:
         "n_prompts": 0,
         "max_new_tokens": settings.max_new_tokens,
         "warmup": settings.warmup,
+        "fresh_turns": settings.fresh_turns,
         "options": options,
         **environment(engine, settings),
         "methods": {},
@@ -218,7 +229,7 @@ def run_bench(engine: Engine, settings: BenchSettings) -> dict[str, Any]:
 
     several = len({d.name for d, _ in loaded}) > 1
     for data, methods in loaded:
-        summary, _ = run_one(engine, data, methods, gen, settings.warmup, keep, options)
+        summary, _ = run_one(engine, data, methods, gen, settings.warmup, keep, options, settings.fresh_turns)
         results["methods"].update({(f"{data.name}/{m}" if several else m): s for m, s in summary.items()})
     save_results(out, results, complete=True)
     return {**results, "complete": True, "markdown": write_report(results, out)}

@@ -39,6 +39,7 @@ class BenchSettings:
     policies: list[str] | None = None
     adapters: Path | None = None
     full: bool = False  # --suite dynamic: the full sweep instead of the default few-minute one
+    fresh_turns: bool = False  # prefill every turn's whole history (no cache carried between turns)
     command: str | None = None  # what reproduces the run (the CLI passes its argv)
     #: per-method options (``--option METHOD:KEY=VALUE``), e.g. the adapters of an equal-budget run
     options: dict[str, dict[str, Any]] = field(default_factory=dict)

@@ -18,6 +18,7 @@ from m2r2.decoding.base import (
 from m2r2.model import Transformer
 
 if TYPE_CHECKING:
+    from m2r2.cache import Conversation
     from m2r2.decoding.base import Loaded
 
 
@@ -35,9 +36,13 @@ class Autoregressive:
 
     @torch.inference_mode()
     def generate(
-        self, prompt: list[int], gen: GenerationConfig, stream: StreamCallback | None = None
+        self,
+        prompt: list[int],
+        gen: GenerationConfig,
+        stream: StreamCallback | None = None,
+        session: Conversation | None = None,
     ) -> GenerationResult:
-        t0, stopper, cache, logits = begin(self.model, prompt, gen, self.eos_ids, self.decode)
+        t0, stopper, cache, logits = begin(self.model, prompt, gen, self.eos_ids, self.decode, session=session)
         sampler = Sampler(gen, self.model.device)
         steps = 1
         while True:

@@ -23,7 +23,7 @@ from m2r2.kernels import argmax_rows
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from m2r2.cache import KVCache
+    from m2r2.cache import Conversation, KVCache
     from m2r2.model import Transformer
     from m2r2.tokenizer import ChatTokenizer
 
@@ -95,12 +95,21 @@ class GenerationResult:
 
 
 class Strategy(Protocol):
-    """A decoding method: ``generate`` must honour every field of the :class:`GenerationConfig`."""
+    """A decoding method: ``generate`` must honour every field of the :class:`GenerationConfig`.
+
+    ``session`` carries a conversation's cache from turn to turn (:class:`m2r2.cache.Conversation`);
+    a method that cannot reuse one (transformers', llama.cpp's, the lossy dynamic decoders whose
+    deep K/V may be pending) ignores it and prefills its whole prompt.
+    """
 
     name: str
 
     def generate(
-        self, prompt: list[int], gen: GenerationConfig, stream: StreamCallback | None = None
+        self,
+        prompt: list[int],
+        gen: GenerationConfig,
+        stream: StreamCallback | None = None,
+        session: Conversation | None = None,
     ) -> GenerationResult: ...
 
 
@@ -143,6 +152,7 @@ def begin(
     last_hidden: list[Tensor] | None = None,
     new_cache: Callable[[int], KVCache] | None = None,
     layers: list[Tensor] | None = None,
+    session: Conversation | None = None,
 ) -> tuple[float, Stopper, KVCache, Tensor]:
     """The start every strategy shares: check settings and prompt, start the clock, set up stopping,
     allocate the cache at the common capacity and prefill the prompt.
@@ -155,6 +165,9 @@ def begin(
     ``new_cache`` allocates the cache of a given capacity (default ``model.new_cache``; the server
     lends pooled ones). ``layers``, with ``last_hidden``, receives every block's output over the prompt
     (a tapped seeded stream reads some of them).
+    ``session``, a conversation's earlier turns: the prompt positions it holds are copied, not
+    prefilled (:class:`m2r2.cache.Conversation`); ``last_hidden`` and ``layers`` then cover only the
+    positions prefilled, the last ``h.shape[1]`` of the prompt.
     """
     gen.validate()
     ctx = model.cfg.max_position_embeddings
@@ -162,10 +175,16 @@ def begin(
     t0 = time.perf_counter()
     stopper = Stopper(gen, eos_ids, decode, ctx - len(prompt))
     cache = (new_cache or model.new_cache)(cache_capacity(len(prompt), stopper.budget, ctx))
-    tokens = torch.tensor([prompt], device=model.device)
+    reused = session.reusable(prompt) if session is not None else 0
+    if reused:
+        assert session is not None and session.cache is not None
+        cache.take_prefix(session.cache, reused)
+    if session is not None:
+        session.started(cache, prompt, reused, stopper.tokens)
+    tokens = torch.tensor([prompt[reused:]], device=model.device)
     if last_hidden is None:  # through ``model(...)``: wrappers that hook each forward pass see it
-        return t0, stopper, cache, model(tokens, cache, 0, last_only=True)
-    h = model.run_layers(model.embed_tokens(tokens), cache, 0, layers)
+        return t0, stopper, cache, model(tokens, cache, reused, last_only=True)
+    h = model.run_layers(model.embed_tokens(tokens), cache, reused, layers)
     last_hidden += [h[:, -1:], h]
     return t0, stopper, cache, model.head(h[:, -1:])
 

@@ -36,6 +36,7 @@ from m2r2.model import ROW_INVARIANT_MAX_ROWS, Transformer
 from m2r2.multirate.fast import FastStream, fast_layer
 
 if TYPE_CHECKING:
+    from m2r2.cache import Conversation
     from m2r2.decoding.base import Loaded
     from m2r2.decoding.tree import TreeSpeculative
 
@@ -153,7 +154,11 @@ class PendingDecoder:
     # ---- loop
     @torch.inference_mode()
     def generate(
-        self, prompt: list[int], gen: GenerationConfig, stream: StreamCallback | None = None
+        self,
+        prompt: list[int],
+        gen: GenerationConfig,
+        stream: StreamCallback | None = None,
+        session: Conversation | None = None,
     ) -> GenerationResult:
         gen.validate()
         if not gen.greedy:

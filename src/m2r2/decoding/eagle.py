@@ -233,6 +233,23 @@ class EagleDrafter:
         if tokens:
             mem.pending.append((feats.reshape(len(tokens), -1), list(tokens)))
 
+    def carry(self, old: KVCache, new: KVCache, upto: int) -> None:
+        """A conversation's next turn copied ``old``'s first ``upto`` positions into ``new``: the memory's
+        pairs before ``upto`` (whose next tokens the new prompt repeats) move along with them."""
+        mem = self.memories.get(old)
+        if mem is None or not mem.lo <= upto <= mem.end:
+            return
+        kept = EagleMemory(self.head, new.max_len, mem.lo)
+        kept.fed = min(mem.fed, upto)
+        kept.cache.take_prefix(mem.cache, kept.fed)
+        need = upto - kept.fed
+        for feats, tokens in mem.pending:
+            if need <= 0:
+                break
+            kept.pending.append((feats[:need], tokens[:need]))
+            need -= len(tokens[:need])
+        self.memories[new] = kept
+
     def start(self, h_last: Tensor, cache: KVCache, verified: int) -> None:
         mem = self.memories.get(cache)
         root = max(verified - 1, 0)  # the root's entry: the pair (h_last, tok)

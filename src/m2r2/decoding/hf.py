@@ -24,6 +24,7 @@ from m2r2.errors import M2R2Error, SettingsError
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+    from m2r2.cache import Conversation
     from m2r2.decoding.base import Loaded
 
 #: Prompt-lookup draft length, as in transformers' documentation and Spec-Bench.
@@ -115,7 +116,11 @@ class HFGenerate:
 
     @torch.inference_mode()
     def generate(
-        self, prompt: list[int], gen: GenerationConfig, stream: StreamCallback | None = None
+        self,
+        prompt: list[int],
+        gen: GenerationConfig,
+        stream: StreamCallback | None = None,
+        session: Conversation | None = None,
     ) -> GenerationResult:
         from transformers import StoppingCriteriaList
 
@@ -211,7 +216,11 @@ class LlamaCpp:
         self.eos_ids, self.decode = eos_ids, decode
 
     def generate(
-        self, prompt: list[int], gen: GenerationConfig, stream: StreamCallback | None = None
+        self,
+        prompt: list[int],
+        gen: GenerationConfig,
+        stream: StreamCallback | None = None,
+        session: Conversation | None = None,
     ) -> GenerationResult:
         gen.validate()
         ctx = int(self.llm.n_ctx())

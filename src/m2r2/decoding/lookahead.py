@@ -34,6 +34,7 @@ from m2r2.errors import SettingsError
 from m2r2.model import ROW_INVARIANT_MAX_ROWS, Transformer
 
 if TYPE_CHECKING:
+    from m2r2.cache import Conversation
     from m2r2.decoding.base import Loaded
 
 
@@ -104,13 +105,17 @@ class Lookahead:
 
     @torch.inference_mode()
     def generate(
-        self, prompt: list[int], gen: GenerationConfig, stream: StreamCallback | None = None
+        self,
+        prompt: list[int],
+        gen: GenerationConfig,
+        stream: StreamCallback | None = None,
+        session: Conversation | None = None,
     ) -> GenerationResult:
         gen.validate()
         if not gen.greedy:
             raise SettingsError("lookahead decoding here is greedy only; use temperature 0 or another method")
         model = self.model
-        t0, stopper, cache, logits = begin(model, prompt, gen, self.eos_ids, self.decode)
+        t0, stopper, cache, logits = begin(model, prompt, gen, self.eos_ids, self.decode, session=session)
         step_tokens = 1 + self.window + self.candidates * (self.ngram - 1)
         ctx = model.cfg.max_position_embeddings
         dev = model.device

@@ -43,6 +43,7 @@ from m2r2.errors import SettingsError, WeightsError
 from m2r2.model import Transformer
 
 if TYPE_CHECKING:
+    from m2r2.cache import Conversation
     from m2r2.decoding.base import Loaded
 
 # --------------------------------------------------------------------------- routers
@@ -194,7 +195,11 @@ class MixtureOfDepths:
 
     @torch.inference_mode()
     def generate(
-        self, prompt: list[int], gen: GenerationConfig, stream: StreamCallback | None = None
+        self,
+        prompt: list[int],
+        gen: GenerationConfig,
+        stream: StreamCallback | None = None,
+        session: Conversation | None = None,
     ) -> GenerationResult:
         m = self.model
         t0, stopper, cache, logits = begin(m, prompt, gen, self.eos_ids, self.decode)

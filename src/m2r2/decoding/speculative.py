@@ -47,6 +47,7 @@ from m2r2.model import ROW_INVARIANT_MAX_ROWS, Transformer
 from m2r2.multirate.fast import DraftBlock, FastConfig, FastStream
 
 if TYPE_CHECKING:
+    from m2r2.cache import Conversation
     from m2r2.decoding.base import Loaded
 
 
@@ -103,10 +104,14 @@ class SelfSpeculative:
 
     @torch.inference_mode()
     def generate(
-        self, prompt: list[int], gen: GenerationConfig, stream: StreamCallback | None = None
+        self,
+        prompt: list[int],
+        gen: GenerationConfig,
+        stream: StreamCallback | None = None,
+        session: Conversation | None = None,
     ) -> GenerationResult:
         model = self.model
-        t0, stopper, cache, logits = begin(model, prompt, gen, self.eos_ids, self.decode)
+        t0, stopper, cache, logits = begin(model, prompt, gen, self.eos_ids, self.decode, session=session)
         sampler = Sampler(gen, model.device)
         self.last_cache = cache
         drafter = self.make_drafter(cache)

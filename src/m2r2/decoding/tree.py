@@ -62,7 +62,7 @@ from m2r2.multirate.seeded import SeededFastStream
 if TYPE_CHECKING:
     from torch import nn
 
-    from m2r2.cache import KVCache
+    from m2r2.cache import Conversation, KVCache
     from m2r2.decoding.base import Loaded
 
 
@@ -365,13 +365,18 @@ class TreeSpeculative:
 
     @torch.inference_mode()
     def generate(
-        self, prompt: list[int], gen: GenerationConfig, stream: StreamCallback | None = None
+        self,
+        prompt: list[int],
+        gen: GenerationConfig,
+        stream: StreamCallback | None = None,
+        session: Conversation | None = None,
     ) -> GenerationResult:
         if self.exit_threshold is not None and not gen.greedy:
             raise SettingsError(f"{self.name} decodes greedily only (temperature 0); it is lossy by design")
         model = self.model
         hidden: list[Tensor] = []
         layers: list[Tensor] | None = [] if self.taps else None
+        earlier = session.cache if session is not None else None
         t0, stopper, cache, logits = begin(
             model,
             prompt,
@@ -380,12 +385,13 @@ class TreeSpeculative:
             self.decode,  # type: ignore[arg-type]
             hidden,
             layers=layers,
+            session=session,
         )
         sampler = Sampler(gen, model.device)
         self.last_cache = cache
         state = self.make_drafter(cache)
-        state.h_last = self.seed_state(hidden[1], layers, len(prompt) - 1)
-        self.prefilled(state, cache, hidden[1], prompt)
+        state.h_last = self.seed_state(hidden[1], layers, hidden[1].shape[1] - 1)
+        self.prefilled(state, cache, hidden[1], prompt, earlier)
         tok = sampler(logits[0, -1])
         emitted = [tok]
         while True:
@@ -552,15 +558,22 @@ class TreeSpeculative:
             state.gain = 0.8 * state.gain + 0.2 * gained
             state.cost = 0.8 * state.cost + 0.2 * (spent - 1.0)
 
-    def prefilled(self, state: TreeState, cache: KVCache, h: Tensor, prompt: list[int]) -> None:
+    def prefilled(
+        self, state: TreeState, cache: KVCache, h: Tensor, prompt: list[int], earlier: KVCache | None = None
+    ) -> None:
         """After the prompt's prefill: prompt lookup indexes the prompt; a drafter with its own memory of
-        verified states (EAGLE) sees every prompt position's final slow state ``h`` ``[1, n, d]`` with
-        the token after it."""
+        verified states (EAGLE) sees every prefilled position's final slow state ``h`` ``[1, n, d]`` (the
+        prompt's last ``n``) with the token after it, after carrying over its memory of the positions
+        taken from a conversation's ``earlier`` cache."""
         if self.lookup:
             state.context = NgramIndex(prompt)
+        first = len(prompt) - h.shape[1]
+        carry = getattr(self.drafter, "carry", None)
+        if first and carry is not None and earlier is not None:
+            carry(earlier, cache, first)
         observe = getattr(self.drafter, "observe", None)
         if observe is not None:
-            observe(cache, h[0, :-1], prompt[1:], 0)
+            observe(cache, h[0, :-1], prompt[first + 1 :], first)
 
     def stepped(self, state: TreeState, cache: KVCache, tok: int, h: Tensor) -> None:
         """A plain step (the server's batched decoding) put ``tok`` in ``cache`` and produced its final
