@@ -37,8 +37,12 @@ ctx, n, rounds = 200, args.nodes, 500
 cache = model.new_cache(ctx + 16)
 h = torch.zeros(1, 1, model.cfg.hidden_size, dtype=model.dtype)
 tree = Tree(list(range(1, n + 1)), [-1] * n, [0] * n, [1.0] * n)
-ext = amx.extension()
-KERNELS = ("q4_linear", "q8_linear", "row_attention", "rms_norm")
+ext = amx.extension() or amx.avx2_extension()  # the AVX-512 build, else the AVX2 one (its linears' own names)
+KERNELS = tuple(
+    k
+    for k in ("q4_linear", "q8_linear", "q4_linear_avx2", "q8_linear_avx2", "row_attention", "rms_norm")
+    if hasattr(ext, k)
+)
 
 
 def level() -> None:
