@@ -24,18 +24,19 @@ from m2r2.decoding.two_model import ModelDrafter
 
 def test_the_reusable_prefix_is_one_short_of_the_common_one_and_never_the_last_prompt_token():
     conv = Conversation()
-    assert conv.reusable([1, 2, 3]) == 0  # nothing carried yet
     model = tiny_model(0)
+    assert conv.reusable([1, 2, 3], model) == 0  # nothing carried yet
     cache = model.new_cache(64)
     model(torch.tensor([[1, 2, 3, 4, 5, 6]]), cache, 0)  # a turn's cache: the prompt, then what it verified
-    conv.started(cache, [1, 2, 3, 4], 0, [5, 6, 7])  # 7 was emitted last: no method has its K/V yet
+    conv.started(cache, [1, 2, 3, 4], 0, [5, 6, 7], model)  # 7 was emitted last: no method has its K/V yet
     assert conv.tokens == [1, 2, 3, 4, 5, 6]
-    assert conv.reusable([1, 2, 3, 4, 5, 6, 7, 8]) == 5  # common prefix 6, one short
-    assert conv.reusable([1, 2, 3, 4, 5, 6]) == 5  # the whole prompt is held: its last token still runs
-    assert conv.reusable([1, 2, 9, 9]) == 1
-    assert conv.reusable([9, 2, 3]) == 0
+    assert conv.reusable([1, 2, 3, 4, 5, 6, 7, 8], model) == 5  # common prefix 6, one short
+    assert conv.reusable([1, 2, 3, 4, 5, 6], model) == 5  # the whole prompt is held: its last token still runs
+    assert conv.reusable([1, 2, 9, 9], model) == 1
+    assert conv.reusable([9, 2, 3], model) == 0
+    assert conv.reusable([1, 2, 3, 4, 5, 6, 7, 8], tiny_model(1)) == 0  # another model's K/V are never reused
     cache.truncate(5)  # a cache rolled back under the tokens it claims: nothing is reused
-    assert conv.reusable([1, 2, 3, 4, 5, 6, 7, 8]) == 0
+    assert conv.reusable([1, 2, 3, 4, 5, 6, 7, 8], model) == 0
     conv.reset()
     assert conv.cache is None and conv.tokens == []
 
@@ -67,12 +68,12 @@ def test_every_method_gives_vanillas_tokens_turn_after_turn_with_the_cache_carri
     prompt = [rng.randrange(64) for _ in range(rng.randint(2, 20))]
     for turn in range(3):
         gen = GenerationConfig(max_new_tokens=rng.randint(1, 40))
-        expect = convs["vanilla"].reusable(prompt)
+        expect = convs["vanilla"].reusable(prompt, model)
         ref = strategies["vanilla"].generate(prompt, gen, session=convs["vanilla"])
         for name, strat in strategies.items():
             conv = convs[name]
             if name != "vanilla":
-                assert conv.reusable(prompt) == expect
+                assert conv.reusable(prompt, model) == expect
             out = ref if name == "vanilla" else strat.generate(prompt, gen, session=conv)
             assert out.tokens == ref.tokens, (name, turn)
             assert conv.reused == expect

@@ -216,6 +216,7 @@ class Conversation:
 
     def __init__(self) -> None:
         self.cache: KVCache | None = None
+        self.owner: object | None = None  # the model that computed ``cache`` (another model's K/V are not reused)
         self.reused = 0  # prompt positions the last turn took from here
         self._prompt: list[int] = []
         self._emitted: list[int] = []  # the last turn's new tokens (its stopper's list, read when needed)
@@ -225,11 +226,11 @@ class Conversation:
         """The tokens at positions 0.. of :attr:`cache` that every method has verified."""
         return self._prompt + self._emitted[:-1]
 
-    def reusable(self, prompt: list[int]) -> int:
-        """Positions of ``prompt`` whose K/V this conversation already holds."""
+    def reusable(self, prompt: list[int], owner: object) -> int:
+        """Positions of ``prompt`` whose K/V this conversation already holds for the model ``owner``."""
         held = self.tokens
-        if self.cache is None or self.cache.length < len(held):  # a cache rolled back under its tokens
-            return 0
+        if self.cache is None or self.owner is not owner or self.cache.length < len(held):
+            return 0  # nothing held, another model's, or a cache rolled back under its tokens
         n = 0
         for a, b in zip(held, prompt, strict=False):
             if a != b:
@@ -237,11 +238,12 @@ class Conversation:
             n += 1
         return max(0, min(n - 1, len(prompt) - 1))
 
-    def started(self, cache: KVCache, prompt: list[int], reused: int, emitted: list[int]) -> None:
-        """A turn over ``prompt`` prefilled ``cache`` (``reused`` positions taken from here); ``emitted``
-        is the list its new tokens are appended to. A method that ignores the conversation never calls
-        this, and the earlier cache stays what it was."""
+    def started(self, cache: KVCache, prompt: list[int], reused: int, emitted: list[int], owner: object) -> None:
+        """A turn of the model ``owner`` over ``prompt`` prefilled ``cache`` (``reused`` positions taken
+        from here); ``emitted`` is the list its new tokens are appended to. A method that ignores the
+        conversation never calls this, and the earlier cache stays what it was."""
         self.cache, self._prompt, self.reused, self._emitted = cache, list(prompt), reused, emitted
+        self.owner = owner
 
     def reset(self) -> None:
-        self.cache, self.reused, self._prompt, self._emitted = None, 0, [], []
+        self.cache, self.owner, self.reused, self._prompt, self._emitted = None, None, 0, [], []

@@ -175,12 +175,12 @@ def begin(
     t0 = time.perf_counter()
     stopper = Stopper(gen, eos_ids, decode, ctx - len(prompt))
     cache = (new_cache or model.new_cache)(cache_capacity(len(prompt), stopper.budget, ctx))
-    reused = session.reusable(prompt) if session is not None else 0
+    reused = session.reusable(prompt, model) if session is not None else 0
     if reused:
         assert session is not None and session.cache is not None
         cache.take_prefix(session.cache, reused)
     if session is not None:
-        session.started(cache, prompt, reused, stopper.tokens)
+        session.started(cache, prompt, reused, stopper.tokens, model)
     tokens = torch.tensor([prompt[reused:]], device=model.device)
     if last_hidden is None:  # through ``model(...)``: wrappers that hook each forward pass see it
         return t0, stopper, cache, model(tokens, cache, reused, last_only=True)
