@@ -141,13 +141,10 @@ class TreeState:
 
     h_last: Tensor | None = None
     calib: float = 1.0
-    # Per kind of round, [no copied chain offered, a chain offered] (``TreeSpeculative.split_by_copies``):
-    #: running tokens drafting gained per drafting round (optimistic start: draft at first)
-    gain: list[float] = field(default_factory=lambda: [1.0, 1.0])
-    #: running extra cost of drafting in a round, in one-token steps (measured: wall clock)
-    cost: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    gain: float = 1.0  # running tokens gained per drafting round (optimistic start: draft at first)
+    cost: float = 0.0  # running extra cost of a drafting round, in one-token steps (measured: wall clock)
     step_s: float | None = None  # running wall-clock seconds of a plain round (the root alone, no drafting)
-    idle: list[int] = field(default_factory=lambda: [0, 0])  # rounds of each kind since the last draft
+    idle: int = 0  # rounds since the last draft
     passes: int = 0
     rows: int = 0
     drafted: int = 0
@@ -361,9 +358,6 @@ class TreeSpeculative:
     # ---- the loop -------------------------------------------------------------------------------
     #: the server's scheduler starts every sequence's running acceptance here (unused by trees)
     prior_accept = 1.0
-    #: judge drafting apart in rounds that verify a copied chain (:meth:`_account`); False: one running
-    #: estimate for every round, as before (the A/B of ``experiments/copy_rounds.py``)
-    split_by_copies = True
 
     def make_drafter(self, cache: KVCache) -> TreeState:
         """Per-sequence drafting state; ``h_last`` is set from the prefill (or a batched step)."""
@@ -472,27 +466,23 @@ class TreeSpeculative:
         room = min(stopper.budget - len(stopper.tokens) - 1, cache.max_len - verified - 1, self.max_nodes)
         rows, steps = [0], 0
         tree = Tree([tok], [-1], [0], [1.0], [None])
-        copied: list[int] = []  # a chain copied from the context (prompt lookup) or else from the answer store
-        sure: list[float] = []  # ... the store's: the product of its shares up to each node
-        if state.context is not None:  # prompt lookup: the root joins the context, its continuation is proposed
-            state.context.extend([tok])
-            k = min(self.lookup, room) if gen.greedy else 0
-            copied = state.context.propose(k) if k > 0 else []
-            if k > 0 and self.answers is not None and not copied:  # the model's phrasing, as sure as the store is
-                copied, shares = self.answers.propose(state.context.tokens, k)
-                sure = list(itertools.accumulate(shares, lambda a, b: a * b))
-        kind = int(bool(copied) and self.split_by_copies)
-        if room > 0 and self._worth_drafting(state, kind):
+        if room > 0 and self._worth_drafting(state):
             tree = self.draft(state.h_last, tok, cache, room, gen, state.calib)
             steps = max(tree.depths)
             state.draft_steps += steps
         looked: list[int] = []  # prompt lookup's chain (nodes)
         stored: list[tuple[int, float]] = []  # the answer store's chain: (node, product of shares up to it)
-        if copied and not sure:
-            looked = tree.add_copies(copied, state.copies.path_probs(len(copied)))
-        elif copied:
-            nodes = tree.add_copies(copied, [min(1.0, state.answer_calib * p) for p in sure])
-            stored = list(zip(nodes, sure, strict=True))
+        if state.context is not None:  # prompt lookup: the root joins the context, its continuation is proposed
+            state.context.extend([tok])
+            k = min(self.lookup, room) if gen.greedy else 0
+            chain = state.context.propose(k) if k > 0 else []
+            if chain:
+                looked = tree.add_copies(chain, state.copies.path_probs(len(chain)))
+            if k > 0 and self.answers is not None and not chain:  # the model's phrasing, as sure as the store is
+                chain, shares = self.answers.propose(state.context.tokens, k)
+                sure = list(itertools.accumulate(shares, lambda a, b: a * b))
+                nodes = tree.add_copies(chain, [min(1.0, state.answer_calib * p) for p in sure])
+                stored = list(zip(nodes, sure, strict=True))
         if len(tree.tokens) > 1:
             rows = self.choose(tree, room, state.calib, steps) if gen.greedy else self._chain(tree, room)
         n_rows = len(rows)
@@ -537,9 +527,7 @@ class TreeSpeculative:
             feats = torch.cat([state.h_last.reshape(1, -1), h[0].index_select(0, idx)])
             observe(cache, feats, [tree.tokens[r] for r in path], verified - 1)
         state.h_last = self.seed_state(h, layers, rows.index(path[-1]))
-        drafted_gain = sum(1 for r in path[1:] if r not in tree.copy_probs)  # tokens only the drafter proposed
-        base_rows = 1 + sum(1 for r in rows[1:] if r in tree.copy_probs)  # verified without drafting too
-        self._account(state, time.perf_counter() - started, drafted_gain, n_rows, steps, kind, base_rows)
+        self._account(state, time.perf_counter() - started, n, n_rows, steps)
         return [*[tree.tokens[r] for r in path[1:]], nxt], n, n_rows - 1, accept_rate
 
     def _count_exits(self, state: TreeState, tree: Tree, rows: list[int], path: list[int], out: Tensor) -> None:
@@ -553,33 +541,22 @@ class TreeSpeculative:
                 state.exits_agreed += agreed
             state.overrides += not agreed
 
-    def _account(
-        self, state: TreeState, seconds: float, gained: int, n_rows: int, steps: int, kind: int = 0, base_rows: int = 1
-    ) -> None:
+    def _account(self, state: TreeState, seconds: float, gained: int, n_rows: int, steps: int) -> None:
         """What this round gained (tokens beyond the one a plain step gives) and cost (in plain rounds),
         by the wall clock: the cost model times the layers of a draft level and a verify pass, but not
         a round's own work around them (growing and choosing the tree, gathering keys for tree rows,
         compacting the cache: 0.06-0.14 of a step per pass on the bundled model, BENCHMARKS.md "Fifth
         round"); a drafter that gains less than a round really costs stops drafting
         (:meth:`_worth_drafting`). A plain round's time is learnt from the rounds that drafted nothing
-        (until one has run, the measured one-token pass).
-
-        Rounds that verify a copied chain are judged apart (``kind`` 1): there drafting is credited only
-        with the tokens that no copy proposed (``gained``) and charged only beyond the modeled cost of the
-        ``base_rows`` (root and copies) the round verifies anyway. Measured on MT-Bench (Zen 3,
-        ``experiments/copy_rounds.py``): three rounds in four offer a chain, and there the fast stream
-        added 0.09 tokens a round against 0.20 where none is offered, so one running estimate for both
-        drafted where it paid least and idled where it paid most."""
+        (until one has run, the measured one-token pass)."""
         if self.costs is None:
             return
         if n_rows == 1 and not steps:
             state.step_s = seconds if state.step_s is None else 0.8 * state.step_s + 0.2 * seconds
         elif steps:
-            c = self.costs
-            spent = seconds / (state.step_s or c.verify[0])
-            base = c.verify[min(base_rows, len(c.verify)) - 1] / c.verify[0]
-            state.gain[kind] = 0.8 * state.gain[kind] + 0.2 * gained
-            state.cost[kind] = 0.8 * state.cost[kind] + 0.2 * (spent - base)
+            spent = seconds / (state.step_s or self.costs.verify[0])
+            state.gain = 0.8 * state.gain + 0.2 * gained
+            state.cost = 0.8 * state.cost + 0.2 * (spent - 1.0)
 
     def prefilled(
         self, state: TreeState, cache: KVCache, h: Tensor, prompt: list[int], earlier: KVCache | None = None
@@ -615,16 +592,15 @@ class TreeSpeculative:
         extra_row = (c.verify[1] - c.verify[0]) if len(c.verify) > 1 else 0.0
         return (c.draft[min(self.width, len(c.draft)) - 1] + extra_row) / c.verify[0]
 
-    def _worth_drafting(self, state: TreeState, kind: int = 0) -> bool:
-        """Draft when recent rounds of this ``kind`` (no copied chain offered: 0; one offered: 1) gained
-        more tokens by drafting than drafting and verifying them cost (in steps); after 8 such rounds
-        without drafting, draft once more to keep the estimate current."""
+    def _worth_drafting(self, state: TreeState) -> bool:
+        """Draft when recent rounds gained more tokens than drafting and verifying them cost (in steps);
+        after 8 rounds without drafting, draft once more to keep the estimate current."""
         if self.costs is None:
             return True
-        if state.gain[kind] >= state.cost[kind] or state.idle[kind] >= 8:
-            state.idle[kind] = 0
+        if state.gain >= state.cost or state.idle >= 8:
+            state.idle = 0
             return True
-        state.idle[kind] += 1
+        state.idle += 1
         return False
 
     def _chain(self, tree: Tree, room: int) -> list[int]:
