@@ -92,6 +92,20 @@ def test_generate_streamed_text_equals_json_text(capsys: pytest.CaptureFixture[s
     assert rc == 0 and plain == text + "\n"
 
 
+def test_chat_keeps_the_conversations_cache_until_reset(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tiny_dir: Path
+) -> None:
+    """`m2r2 chat`: a second turn prefills only its new message (the summary says how many prompt tokens
+    were cached); after /reset a turn prefills its whole prompt again."""
+    lines = iter(["Name a colour.", "And another?", "/reset", "Name a fruit.", "/quit"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    rc, _, err = run_cli(capsys, "chat", "--model", str(tiny_dir), "--dtype", "fp32", "--max-new-tokens", "6")
+    assert rc == 0, err
+    turns = [line for line in err.splitlines() if line.startswith("[vanilla]")]
+    assert len(turns) == 3
+    assert "cached" not in turns[0] and "prompt tokens cached" in turns[1] and "cached" not in turns[2]
+
+
 def test_generate_default_dtype_and_sampling(capsys: pytest.CaptureFixture[str], tiny_dir: Path) -> None:
     argv = ["generate", "Hello there", "--model", str(tiny_dir), "--max-new-tokens", "6", "--json"]
     argv += ["--temperature", "0.8", "--top-k", "20", "--top-p", "0.9", "--seed", "5"]
