@@ -209,6 +209,10 @@ def test_run_bench_end_to_end(engine, tmp_path: Path, monkeypatch: pytest.Monkey
     for name in methods:
         row = two_turn["methods"][name]
         assert len(row["ids"]) == 2 and row["tokens"] == sum(map(len, row["ids"]))
+    # later turns carry the cache by default; transformers' methods ignore it and prefill in full
+    assert saved["fresh_turns"] is False
+    assert two_turn["methods"]["vanilla"]["stats"][1]["prompt_reused"] > 0
+    assert two_turn["methods"]["hf"]["stats"][1]["prompt_reused"] == 0
     # the second turn sees the method's own first answer; warm-up (1 prompt x 3 methods) came first
     timed = calls[3:]
     assert len(timed) == 3 * 3

@@ -45,6 +45,7 @@ def assert_one_line_error(rc: int, out: str, err: str, match: str = "") -> None:
         (["--help"], ["generate", "chat", "bench"]),
         (["generate", "--help"], ["--max-new-tokens", "--temperature", "--top-p", "--method", "auto", "--json"]),
         (["--version"], ["m2r2 0."]),
+        (["bench", "--help"], ["--fresh-turns", "--suite", "--methods"]),
     ],
 )
 def test_help(capsys: pytest.CaptureFixture[str], argv: list[str], expect: list[str]) -> None:
@@ -104,6 +105,13 @@ def test_chat_keeps_the_conversations_cache_until_reset(
     turns = [line for line in err.splitlines() if line.startswith("[vanilla]")]
     assert len(turns) == 3
     assert "cached" not in turns[0] and "prompt tokens cached" in turns[1] and "cached" not in turns[2]
+
+
+def test_bench_parses_fresh_turns() -> None:
+    from m2r2.cli import build_parser
+
+    assert build_parser().parse_args(["bench", "--fresh-turns"]).fresh_turns is True
+    assert build_parser().parse_args(["bench"]).fresh_turns is False
 
 
 def test_generate_default_dtype_and_sampling(capsys: pytest.CaptureFixture[str], tiny_dir: Path) -> None:
