@@ -13,6 +13,7 @@ stream (``m2r2.multirate``) can reuse the same weights and code without this fil
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import NamedTuple, Protocol
@@ -334,6 +335,22 @@ class Attention(nn.Module):
         return y
 
 
+def swiglu(y: Tensor) -> Tensor:
+    """``silu(gate) * up`` of ``y = [gate | up]``. For bfloat16 inference on a CPU with the AVX2 build, one
+    C++ call (``csrc_avx2/rows_avx2.cpp``, torch's two roundings, its own exp) that the fused decoder
+    block shares, so the per-op path and the fused one give a row the same bits."""
+    if (
+        y.dtype == torch.bfloat16
+        and y.device.type == "cpu"
+        and not (torch.is_grad_enabled() and y.requires_grad)
+        and (ext := amx.row_helpers()) is not None
+        and hasattr(ext, "silu_mul")
+    ):
+        return ext.silu_mul(y.contiguous())
+    gate, up = y.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
@@ -346,8 +363,7 @@ class MLP(nn.Module):
         y = self.w13(x)
         if lora is not None and "gate_up" in lora:
             y = y + lora["gate_up"](x)
-        gate, up = y.chunk(2, dim=-1)
-        h = F.silu(gate) * up
+        h = swiglu(y)
         out = self.w2(h)
         if lora is not None and "down" in lora:
             out = out + lora["down"](h)
@@ -449,6 +465,13 @@ class MoE(nn.Module):
         return out.to(x_normed.dtype).view(shape)
 
 
+#: Whether a block's passes of a few rows run as one C++ call where :meth:`Block.fused` applies (set
+#: ``M2R2_NO_FUSED=1`` for the per-op path: the same bits, ~2x the Python and torch overhead per step).
+FUSED_BLOCKS = os.environ.get("M2R2_NO_FUSED") != "1"
+#: the AVX2 build's linear ops and their weight bits
+_AVX2_OPS = {"q4_linear_avx2": 4, "q8_linear_avx2": 8}
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
@@ -462,11 +485,70 @@ class Block(nn.Module):
     ) -> Tensor:
         """Slow-stream step: write this block's K/V at ``pos`` and attend over the first
         ``mask.shape[-1]`` cache slots under ``mask``."""
+        t = x.shape[1]
+        if (
+            FUSED_BLOCKS
+            and x.shape[0] == 1
+            and t <= ROW_INVARIANT_MAX_ROWS
+            and isinstance(mask, Tensor)
+            and mask.dim() == 2
+            and cache.k.shape[1] == 1
+            and pos + t <= cache.max_len
+            and not torch.is_grad_enabled()
+            and (w := self.fused()) is not None
+            and x.dtype == torch.bfloat16
+        ):
+            ext = amx.avx2_extension()
+            rows = x[0].contiguous()
+            k, v = cache.k[layer], cache.v[layer]
+            out = ext.block_forward(w, rows, k, v, pos, mask.contiguous(), cos.contiguous(), sin.contiguous())  # type: ignore[union-attr]
+            return out[None]
         q, k, v = self.attn.qkv(self.attn_norm(x), cos, sin)
         cache.write(layer, pos, k, v)
         keys, values = cache.view(layer, mask.shape[-1])
         a = x + self.attn.out(attend(q, keys, values, mask))
         return a + self.mlp(self.mlp_norm(a), resid=a)
+
+    def fused(self) -> object | None:
+        """This block's weights for the fused C++ block (``csrc_avx2/block_avx2.cpp``: the whole block over a
+        few rows in one call, the per-op path's bits), or None where it does not apply: only the AVX2 build's
+        4/8-bit linears, a plain SwiGLU MLP, no q/k norms or clipping. Built once and kept, keyed by the
+        modules it was built from (a merged fast layer is a shallow copy with other linears)."""
+        lins = (self.attn.wqkv, self.attn.wo, getattr(self.mlp, "w13", None), getattr(self.mlp, "w2", None))
+        key = (*map(id, lins), id(self.attn_norm.weight), id(self.mlp_norm.weight))
+        kept = self.__dict__.get("_fused")
+        if kept is not None and kept[0] == key:
+            return kept[1]
+        weights = None
+        ext = amx.avx2_extension()
+        if (
+            ext is not None
+            and hasattr(ext, "block_forward")
+            and amx.row_helpers() is ext
+            and isinstance(self.mlp, MLP)
+            and self.attn.q_norm is None
+            and self.attn.clip is None
+            and self.attn_norm.weight.dtype == torch.bfloat16
+            and self.mlp_norm.weight.dtype == torch.bfloat16
+            and all(getattr(lin, "op", None) in _AVX2_OPS and getattr(lin, "products", None) == "avx2" for lin in lins)
+            and all(lin.bias is None or lin.bias.dtype == torch.bfloat16 for lin in lins)  # type: ignore[union-attr]
+        ):
+            none = torch.empty(0)
+            weights = ext.make_block(
+                self.attn_norm.weight.detach().contiguous(),
+                self.mlp_norm.weight.detach().contiguous(),
+                self.attn_norm.eps,
+                [lin.qbytes for lin in lins],  # type: ignore[union-attr]
+                [lin.scales for lin in lins],  # type: ignore[union-attr]
+                [_AVX2_OPS[lin.op] for lin in lins],  # type: ignore[union-attr]
+                [none if lin.bias is None else lin.bias.detach().contiguous() for lin in lins],  # type: ignore[union-attr]
+                self.attn.n_heads,
+                self.attn.n_kv,
+                self.attn.head_dim,
+                lins[3].in_features,  # type: ignore[union-attr]
+            )
+        self.__dict__["_fused"] = (key, weights)
+        return weights
 
     def step_rows(self, x: Tensor, cos: Tensor, sin: Tensor, groups: list[StepGroup], layer: int) -> Tensor:
         """One decoding step of several sequences (``x``: ``[B, 1, d]``, one row per sequence).

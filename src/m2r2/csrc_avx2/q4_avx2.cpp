@@ -135,27 +135,17 @@ inline void block_rows(const uint8_t* qb, const at::Half* sb, const int8_t* xq, 
   for (int r = 0; r < R; ++r) store8_bf16(y + r * N, out[r]);
 }
 
+// y [M, N] = x [M, K] times a packed weight (N = blocks * 8), raw pointers: what the op below and the
+// fused decoder block (block_avx2.cpp) share, so both give the same bits.
 template <int BITS>
-torch::Tensor linear(torch::Tensor x, torch::Tensor qbytes, torch::Tensor scales) {
+void linear_rows(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* qp, const at::Half* sp, int64_t blocks,
+                 uint16_t* yp) {
   constexpr int64_t terms = BITS == 4 ? 2 : 1;
-  constexpr int64_t per_byte = BITS == 4 ? 8 : 4;  // inputs per 32-byte row of qbytes
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x: contiguous bf16 [M, K]");
-  TORCH_CHECK(qbytes.element_size() == 1 && qbytes.is_contiguous() && qbytes.dim() == 3 && qbytes.size(2) == 32,
-              "qbytes: bytes [N/8, K/", per_byte, ", 32]");
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 4,
-              "scales: half [N/8, K/32, terms, 8]");
-  const int64_t M = x.size(0), K = x.size(1), blocks = qbytes.size(0), N = blocks * NB, G = K / 32;
-  TORCH_CHECK(K % 32 == 0 && qbytes.size(1) * per_byte == K, "packed weight does not match x");
-  TORCH_CHECK(scales.size(0) == blocks && scales.size(1) == G && scales.size(2) == terms && scales.size(3) == NB,
-              "scales do not match the packed weight");
-  auto y = torch::empty({M, N}, x.options());
-  if (M == 0) return y;
+  const int64_t N = blocks * NB, G = K / 32;
+  if (M == 0) return;
   std::vector<int8_t> xq(M * K);
   std::vector<float> step(M * G), qsum(M * G);
-  quantize_rows(x.data_ptr<at::BFloat16>(), M, K, xq.data(), step.data(), qsum.data());
-  const uint8_t* qp = static_cast<const uint8_t*>(qbytes.data_ptr());
-  const at::Half* sp = scales.data_ptr<at::Half>();
-  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  quantize_rows(x, M, K, xq.data(), step.data(), qsum.data());
   const int64_t block_bytes = G * (BITS == 4 ? 128 : 256);
   at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b)
@@ -174,10 +164,38 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor qbytes, torch::Tensor scales
         }
       }
   });
+}
+
+template <int BITS>
+torch::Tensor linear(torch::Tensor x, torch::Tensor qbytes, torch::Tensor scales) {
+  constexpr int64_t terms = BITS == 4 ? 2 : 1;
+  constexpr int64_t per_byte = BITS == 4 ? 8 : 4;  // inputs per 32-byte row of qbytes
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x: contiguous bf16 [M, K]");
+  TORCH_CHECK(qbytes.element_size() == 1 && qbytes.is_contiguous() && qbytes.dim() == 3 && qbytes.size(2) == 32,
+              "qbytes: bytes [N/8, K/", per_byte, ", 32]");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 4,
+              "scales: half [N/8, K/32, terms, 8]");
+  const int64_t M = x.size(0), K = x.size(1), blocks = qbytes.size(0), N = blocks * NB, G = K / 32;
+  TORCH_CHECK(K % 32 == 0 && qbytes.size(1) * per_byte == K, "packed weight does not match x");
+  TORCH_CHECK(scales.size(0) == blocks && scales.size(1) == G && scales.size(2) == terms && scales.size(3) == NB,
+              "scales do not match the packed weight");
+  auto y = torch::empty({M, N}, x.options());
+  linear_rows<BITS>(x.data_ptr<at::BFloat16>(), M, K, static_cast<const uint8_t*>(qbytes.data_ptr()),
+                    scales.data_ptr<at::Half>(), blocks, reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()));
   return y;
 }
 
 }  // namespace
+
+namespace m2r2_avx2 {
+void linear_rows(int bits, const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* qbytes, const at::Half* scales,
+                 int64_t blocks, uint16_t* y) {
+  if (bits == 4)
+    ::linear_rows<4>(x, M, K, qbytes, scales, blocks, y);
+  else
+    ::linear_rows<8>(x, M, K, qbytes, scales, blocks, y);
+}
+}  // namespace m2r2_avx2
 
 // Whether this CPU runs these kernels (AVX2 integer dot products, FMA, F16C half scales).
 bool usable() {
@@ -188,6 +206,9 @@ bool usable() {
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor argmax_rows(torch::Tensor x);
 torch::Tensor row_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask, double scale);
+torch::Tensor silu_mul(torch::Tensor gu);
+// block_avx2.cpp
+void bind_block(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_linear_avx2", &linear<4>, "4-bit weight-only linear layer, int8 inputs per group of 32 (AVX2)");
@@ -195,5 +216,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of bfloat16 rows, each row alone");
   m.def("argmax_rows", &argmax_rows, "index of each row's maximum, as torch.argmax");
   m.def("row_attention", &row_attention, "attention of a few rows, bits independent of the keys' layout");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of bfloat16 rows [gate | up]");
+  bind_block(m);
   m.def("usable", &usable, "whether this CPU can run the kernels (AVX2, FMA, F16C)");
 }

@@ -9,6 +9,7 @@
 #include <torch/extension.h>
 
 #include "simd2.h"
+#include "kernels2.h"
 
 #include <algorithm>
 #include <cmath>
@@ -46,18 +47,10 @@ int64_t argmax_row(const T* row, int64_t V) {
 
 }  // namespace
 
-// x [..., D] bfloat16 contiguous; w [D] bfloat16. Returns bfloat16 like x (csrc/rms_norm.cpp's order).
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x: contiguous bfloat16");
-  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.dim() == 1, "w: contiguous bfloat16 [D]");
-  const int64_t D = w.size(0);
-  TORCH_CHECK(x.size(-1) == D, "x's last dimension must equal the weight's");
-  auto out = torch::empty_like(x);
-  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
-  const at::BFloat16* wp = w.data_ptr<at::BFloat16>();
-  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  const int64_t rows = D ? x.numel() / D : 0;
-  const float e = static_cast<float>(eps);
+namespace m2r2_avx2 {
+// RMSNorm of `rows` bfloat16 rows of D (csrc/rms_norm.cpp's order), raw pointers: shared by the op below
+// and the fused decoder block (block_avx2.cpp).
+void rms_norm_rows(const at::BFloat16* xp, const at::BFloat16* wp, int64_t rows, int64_t D, float e, uint16_t* op) {
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const at::BFloat16* row = xp + r * D;
@@ -76,6 +69,18 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
       }
     }
   });
+}
+}  // namespace m2r2_avx2
+
+// x [..., D] bfloat16 contiguous; w [D] bfloat16. Returns bfloat16 like x (csrc/rms_norm.cpp's order).
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x: contiguous bfloat16");
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.dim() == 1, "w: contiguous bfloat16 [D]");
+  const int64_t D = w.size(0);
+  TORCH_CHECK(x.size(-1) == D, "x's last dimension must equal the weight's");
+  auto out = torch::empty_like(x);
+  m2r2_avx2::rms_norm_rows(x.data_ptr<at::BFloat16>(), w.data_ptr<at::BFloat16>(), D ? x.numel() / D : 0, D,
+                           static_cast<float>(eps), reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
   return out;
 }
 
@@ -216,12 +221,52 @@ torch::Tensor row_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, t
   auto out = torch::empty({B, T, H, D}, q.options());
   const int64_t kv[6] = {k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2)};
   const int64_t mb = mask.size(0) == 1 ? 0 : T * S;
-  const float sc = static_cast<float>(scale);
-  if (k.scalar_type() == at::kFloat)
-    run_rows(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), mask.data_ptr<bool>(), out.data_ptr<float>(),
-             B, H, T, D, KVH, S, kv, mb, sc);
+  m2r2_avx2::attention_rows(q.data_ptr<float>(), k.data_ptr(), v.data_ptr(), k.scalar_type() == at::kBFloat16, kv,
+                            mask.data_ptr<bool>(), mb, out.data_ptr<float>(), B, H, T, D, KVH, S,
+                            static_cast<float>(scale));
+  return out;
+}
+
+namespace m2r2_avx2 {
+void attention_rows(const float* q, const void* k, const void* v, bool bf16, const int64_t* kv, const bool* mask,
+                    int64_t mb, float* out, int64_t B, int64_t H, int64_t T, int64_t D, int64_t KVH, int64_t S, float sc) {
+  if (bf16)
+    run_rows(q, static_cast<const at::BFloat16*>(k), static_cast<const at::BFloat16*>(v), mask, out, B, H, T, D, KVH, S,
+             kv, mb, sc);
   else
-    run_rows(q.data_ptr<float>(), k.data_ptr<at::BFloat16>(), v.data_ptr<at::BFloat16>(), mask.data_ptr<bool>(),
-             out.data_ptr<float>(), B, H, T, D, KVH, S, kv, mb, sc);
+    run_rows(q, static_cast<const float*>(k), static_cast<const float*>(v), mask, out, B, H, T, D, KVH, S, kv, mb, sc);
+}
+
+// SwiGLU's product silu(gate) * up of `rows` rows [gate (m) | up (m)] (bfloat16) into [rows, m]:
+// silu(g) = g / (1 + exp(-g)) in float32, rounded to bfloat16, times up, rounded again (the two
+// roundings torch's `F.silu(gate) * up` makes), with this file's exp: lanes independent, so a row's
+// bits depend on that row alone.
+void silu_mul_rows(const at::BFloat16* gu, int64_t rows, int64_t m, uint16_t* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const at::BFloat16* g = gu + r * 2 * m;
+    const at::BFloat16* u = g + m;
+    uint16_t* o = out + r * m;
+    for (int64_t j = 0; j < m; j += 8) {
+      const int64_t n = std::min<int64_t>(8, m - j);
+      const __m256 x = load8(g + j, n);
+      const __m256 sig = _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+      uint16_t t[8];
+      store8_bf16(t, _mm256_mul_ps(round_bf16(sig), load8(u + j, n)));
+      std::memcpy(o + j, t, n * sizeof(uint16_t));
+    }
+  }
+}
+}  // namespace m2r2_avx2
+
+// gu [..., 2m] bfloat16 contiguous (gate, then up). Returns [..., m] bfloat16: silu(gate) * up.
+torch::Tensor silu_mul(torch::Tensor gu) {
+  TORCH_CHECK(gu.scalar_type() == at::kBFloat16 && gu.is_contiguous() && gu.dim() >= 1 && gu.size(-1) % 2 == 0,
+              "gu: contiguous bfloat16 [..., 2m]");
+  auto sizes = gu.sizes().vec();
+  const int64_t m = sizes.back() / 2;
+  sizes.back() = m;
+  auto out = torch::empty(sizes, gu.options());
+  m2r2_avx2::silu_mul_rows(gu.data_ptr<at::BFloat16>(), m ? gu.numel() / (2 * m) : 0, m,
+                           reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
   return out;
 }

@@ -398,6 +398,10 @@ class SeededFastStream(DraftHead, nn.Module):
         for j, layer in enumerate(self.cfg.layers):
             blk, lora = self.layer(j)
             f = states[-1]
+            if lora is None and self.gate(j) is None and layer not in self.cfg.attention_only:
+                # a merged full layer is a block of its own: the same ops as below (one C++ call where fused)
+                states.append(blk(f, cos, sin, cache, layer, at, mask))
+                continue
             q, k, v = blk.attn.qkv(blk.attn_norm(f), cos, sin, lora)
             cache.write(layer, at, k, v)
             sk, sv = cache.view(layer, at + n)

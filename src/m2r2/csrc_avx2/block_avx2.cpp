@@ -1,0 +1,197 @@
+// One decoder block over a few rows in one C++ call (AVX2 build): RMSNorm, the q/k/v projection (+ bias),
+// RoPE, the K/V write into the cache, the row attention, the output projection, the residual add, RMSNorm,
+// SwiGLU and the second residual add.
+//
+// Why: on a 2-vCPU Zen 3 a one-token SmolLM2 step spent ~6 of its 11 ms in torch ops and Python around the
+// kernels (25 small ops per layer: views, casts, RoPE's four, adds, the cache write; measured with
+// torch.profiler), against ~5 ms in the kernels. Every step here calls the same raw kernels as the ops in
+// q4_avx2.cpp and rows_avx2.cpp and rounds where torch rounds (each bfloat16 op computes in float32 and
+// rounds to nearest even), so a row gets the bits of the per-op path (tested) and stays independent of the
+// pass: lossless verification and the server's batched steps (which keep the per-op path) are unaffected.
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/extension.h>
+
+#include "kernels2.h"
+#include "simd2.h"
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+using namespace m2r2_avx2;
+
+inline float bf(uint16_t b) {
+  uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline uint16_t to_bf(float f) {  // round to nearest even (finite values), as c10::BFloat16
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+struct Linear {
+  torch::Tensor qbytes, scales, bias;  // bias: bfloat16 [N] or undefined
+  int bits = 4;
+  int64_t in = 0, out = 0;
+
+  void run(const uint16_t* x, int64_t rows, uint16_t* y) const {
+    linear_rows(bits, reinterpret_cast<const at::BFloat16*>(x), rows, in, static_cast<const uint8_t*>(qbytes.data_ptr()),
+                scales.data_ptr<at::Half>(), qbytes.size(0), y);
+    if (bias.defined()) {
+      const auto* b = reinterpret_cast<const uint16_t*>(bias.data_ptr<at::BFloat16>());
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t j = 0; j < out; ++j) y[r * out + j] = to_bf(bf(y[r * out + j]) + bf(b[j]));
+    }
+  }
+};
+
+Linear make_linear(torch::Tensor qbytes, torch::Tensor scales, int64_t bits, torch::Tensor bias, int64_t in, int64_t out) {
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(qbytes.element_size() == 1 && qbytes.is_contiguous() && qbytes.dim() == 3 && qbytes.size(0) * 8 == out,
+              "qbytes: packed [out/8, ., 32]");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && in % 32 == 0, "scales: half");
+  TORCH_CHECK(!bias.defined() || (bias.scalar_type() == at::kBFloat16 && bias.is_contiguous() && bias.numel() == out),
+              "bias: contiguous bfloat16 [out]");
+  Linear l;
+  l.qbytes = qbytes;
+  l.scales = scales;
+  l.bias = bias;
+  l.bits = static_cast<int>(bits);
+  l.in = in;
+  l.out = out;
+  return l;
+}
+
+}  // namespace
+
+// A decoder block's weights, held once per block (m2r2.model.Block keeps the object).
+struct BlockWeights {
+  torch::Tensor attn_norm, mlp_norm;  // bfloat16 [d]
+  double eps;
+  Linear qkv, o, w13, w2;
+  int64_t heads, kv_heads, head_dim;
+};
+
+BlockWeights make_block(torch::Tensor attn_norm, torch::Tensor mlp_norm, double eps, std::vector<torch::Tensor> qbytes,
+                        std::vector<torch::Tensor> scales, std::vector<int64_t> bits, std::vector<torch::Tensor> biases,
+                        int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t inter) {
+  TORCH_CHECK(qbytes.size() == 4 && scales.size() == 4 && bits.size() == 4 && biases.size() == 4,
+              "four linears: qkv, o, w13, w2");
+  TORCH_CHECK(attn_norm.scalar_type() == at::kBFloat16 && mlp_norm.scalar_type() == at::kBFloat16 &&
+                  attn_norm.is_contiguous() && mlp_norm.is_contiguous(),
+              "norm weights: contiguous bfloat16");
+  TORCH_CHECK(head_dim % 8 == 0 && heads % kv_heads == 0, "head shape");
+  const int64_t d = attn_norm.numel(), q = heads * head_dim, kv = kv_heads * head_dim;
+  auto opt = [](const torch::Tensor& b) { return b.numel() ? b : torch::Tensor(); };
+  BlockWeights w;
+  w.attn_norm = attn_norm;
+  w.mlp_norm = mlp_norm;
+  w.eps = eps;
+  w.qkv = make_linear(qbytes[0], scales[0], bits[0], opt(biases[0]), d, q + 2 * kv);
+  w.o = make_linear(qbytes[1], scales[1], bits[1], opt(biases[1]), q, d);
+  w.w13 = make_linear(qbytes[2], scales[2], bits[2], opt(biases[2]), d, 2 * inter);
+  w.w2 = make_linear(qbytes[3], scales[3], bits[3], opt(biases[3]), inter, d);
+  w.heads = heads;
+  w.kv_heads = kv_heads;
+  w.head_dim = head_dim;
+  return w;
+}
+
+// x [T, d] bfloat16 contiguous (the rows' residual stream); k_cache, v_cache [1, KVH, capacity, D] (bfloat16 or
+// float32, unit stride in D): this block's cache, written at slots pos..pos+T-1; mask [T, S] bool contiguous over
+// slots 0..S-1; cos, sin [T, D] bfloat16 (sin sign-folded, m2r2.model.apply_rope). Returns the block's output [T, d].
+torch::Tensor block_forward(const BlockWeights& w, torch::Tensor x, torch::Tensor k_cache, torch::Tensor v_cache,
+                            int64_t pos, torch::Tensor mask, torch::Tensor cos, torch::Tensor sin) {
+  const int64_t T = x.size(0), d = x.size(1), H = w.heads, KVH = w.kv_heads, D = w.head_dim;
+  const int64_t S = mask.size(1), cap = k_cache.size(2);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && d == w.attn_norm.numel(),
+              "x: contiguous bfloat16 [T, d]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(0) == 1 && k_cache.size(1) == KVH && k_cache.size(3) == D &&
+                  k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type() &&
+                  (k_cache.scalar_type() == at::kBFloat16 || k_cache.scalar_type() == at::kFloat) &&
+                  k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
+              "k_cache, v_cache: [1, KVH, capacity, D], bfloat16 or float32, unit stride in D");
+  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.is_contiguous() && mask.dim() == 2 && mask.size(0) == T && S <= cap,
+              "mask: contiguous bool [T, S], S <= capacity");
+  TORCH_CHECK(pos >= 0 && pos + T <= cap, "rows past the cache's capacity");
+  TORCH_CHECK(cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16 && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.size(0) == T && cos.size(1) == D && sin.sizes() == cos.sizes(),
+              "cos, sin: contiguous bfloat16 [T, D]");
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const auto* cp = reinterpret_cast<const uint16_t*>(cos.data_ptr<at::BFloat16>());
+  const auto* sp = reinterpret_cast<const uint16_t*>(sin.data_ptr<at::BFloat16>());
+  const float eps = static_cast<float>(w.eps);
+  const int64_t nq = H * D, nkv = KVH * D, nqkv = nq + 2 * nkv, inter = w.w2.in;
+
+  std::vector<uint16_t> h(T * d), y(T * nqkv), o(T * nq), a(T * d), gu(T * 2 * inter), act(T * inter);
+  std::vector<float> qf(H * T * D), of(T * H * D);
+  rms_norm_rows(reinterpret_cast<const at::BFloat16*>(xp), w.attn_norm.data_ptr<at::BFloat16>(), T, d, eps, h.data());
+  w.qkv.run(h.data(), T, y.data());
+
+  // RoPE of the q and k heads as bfloat16 ops: x * cos and roll(x, D/2) * sin each rounded, then their sum
+  const bool k16 = k_cache.scalar_type() == at::kBFloat16;
+  const int64_t ks[3] = {k_cache.stride(1), k_cache.stride(2), 0}, vs[2] = {v_cache.stride(1), v_cache.stride(2)};
+  char* kb = static_cast<char*>(k_cache.data_ptr());
+  char* vb = static_cast<char*>(v_cache.data_ptr());
+  const int64_t el = k_cache.element_size();
+  for (int64_t t = 0; t < T; ++t) {
+    const uint16_t* yt = y.data() + t * nqkv;
+    const uint16_t *ct = cp + t * D, *st = sp + t * D;
+    for (int64_t hh = 0; hh < H + KVH; ++hh) {
+      const uint16_t* src = yt + hh * D;
+      for (int64_t i = 0; i < D; ++i) {
+        const uint16_t r = to_bf(bf(to_bf(bf(src[i]) * bf(ct[i]))) + bf(to_bf(bf(src[(i + D / 2) % D]) * bf(st[i]))));
+        if (hh < H) {
+          qf[(hh * T + t) * D + i] = bf(r);  // q as float32 [H, T, D], widened exactly
+        } else {
+          char* dst = kb + ((hh - H) * ks[0] + (pos + t) * ks[1] + i) * el;
+          if (k16)
+            std::memcpy(dst, &r, 2);
+          else {
+            const float f = bf(r);
+            std::memcpy(dst, &f, 4);
+          }
+        }
+      }
+    }
+    for (int64_t hh = 0; hh < KVH; ++hh) {  // v: the remaining heads, unrotated
+      const uint16_t* src = yt + nq + nkv + hh * D;
+      char* dst = vb + (hh * vs[0] + (pos + t) * vs[1]) * el;
+      if (k16)
+        std::memcpy(dst, src, D * 2);
+      else
+        for (int64_t i = 0; i < D; ++i) {
+          const float f = bf(src[i]);
+          std::memcpy(dst + i * 4, &f, 4);
+        }
+    }
+  }
+  const int64_t kv[6] = {k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)};
+  attention_rows(qf.data(), k_cache.data_ptr(), v_cache.data_ptr(), k16, kv, mask.data_ptr<bool>(), 0, of.data(), 1, H,
+                 T, D, KVH, S, static_cast<float>(std::pow(static_cast<double>(D), -0.5)));
+  for (int64_t i = 0; i < T * nq; ++i) o[i] = to_bf(of[i]);  // [T, H, D] = [T, H * D]
+
+  w.o.run(o.data(), T, a.data());
+  for (int64_t i = 0; i < T * d; ++i) a[i] = to_bf(bf(xp[i]) + bf(a[i]));
+  rms_norm_rows(reinterpret_cast<const at::BFloat16*>(a.data()), w.mlp_norm.data_ptr<at::BFloat16>(), T, d, eps, h.data());
+  w.w13.run(h.data(), T, gu.data());
+  silu_mul_rows(reinterpret_cast<const at::BFloat16*>(gu.data()), T, inter, act.data());
+  auto out = torch::empty({T, d}, x.options());
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  w.w2.run(act.data(), T, op);
+  for (int64_t i = 0; i < T * d; ++i) op[i] = to_bf(bf(a[i]) + bf(op[i]));
+  return out;
+}
+
+void bind_block(pybind11::module& m) {
+  pybind11::class_<BlockWeights>(m, "BlockWeights");
+  m.def("make_block", &make_block, "a decoder block's weights for block_forward");
+  m.def("block_forward", &block_forward, "one decoder block over a few rows (the per-op path's bits)");
+}

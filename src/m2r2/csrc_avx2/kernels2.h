@@ -1,0 +1,21 @@
+// Raw-pointer entry points of the csrc_avx2 kernels: the ops bound in q4_avx2.cpp and the fused decoder
+// block (block_avx2.cpp) call the same code, so a row gets the same bits either way.
+#pragma once
+
+#include <torch/extension.h>
+
+namespace m2r2_avx2 {
+
+// y [M, blocks * 8] (bfloat16 bits) = x [M, K] times a packed 4-bit (bits 4) or 8-bit (bits 8) weight
+void linear_rows(int bits, const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* qbytes, const at::Half* scales,
+                 int64_t blocks, uint16_t* y);
+// RMSNorm of `rows` rows of D
+void rms_norm_rows(const at::BFloat16* x, const at::BFloat16* w, int64_t rows, int64_t D, float eps, uint16_t* out);
+// row attention: q [B, H, T, D] float32; k, v float32 or bfloat16 (`bf16`) with strides kv = {k's b, h, s; v's b,
+// h, s}; mask [T, S] per batch item (item stride mb); out [B, T, H, D] float32
+void attention_rows(const float* q, const void* k, const void* v, bool bf16, const int64_t* kv, const bool* mask,
+                    int64_t mb, float* out, int64_t B, int64_t H, int64_t T, int64_t D, int64_t KVH, int64_t S, float sc);
+// silu(gate) * up of rows [gate (m) | up (m)] into [rows, m]
+void silu_mul_rows(const at::BFloat16* gu, int64_t rows, int64_t m, uint16_t* out);
+
+}  // namespace m2r2_avx2

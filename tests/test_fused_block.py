@@ -1,0 +1,104 @@
+"""The fused decoder block of the AVX2 build (``csrc_avx2/block_avx2.cpp``): a block's passes of a few rows
+in one C++ call give every row, and the cache, the bits of the per-op path (so lossless verification and
+the server's batched steps, which keep the per-op path, are unaffected), and it steps aside where it does
+not apply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from m2r2 import amx
+from m2r2 import model as model_mod
+from m2r2.loading import load_model
+from m2r2.model import swiglu
+
+needs_avx2 = pytest.mark.skipif(
+    amx.avx2_extension() is None or amx.row_helpers() is not amx.avx2_extension(),
+    reason="the AVX2 build is not this CPU's row-helper build",
+)
+
+
+def passes(model, fused: bool, store: torch.dtype | None, monkeypatch) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Final states of decode-style passes of 1..6 rows and a token tree after a 40-token prefill, and the
+    cache's keys after them, with the fused block on or off."""
+    monkeypatch.setattr(model_mod, "FUSED_BLOCKS", fused)
+    g = torch.Generator().manual_seed(0)
+    vocab, ctx = model.cfg.vocab_size, 40
+    with torch.inference_mode():
+        cache = model.new_cache(ctx + 16)
+        if store is not None:  # the server's pooled caches keep float32
+            cache.k, cache.v = cache.k.to(store), cache.v.to(store)
+        model(torch.randint(0, vocab, (1, ctx), generator=g), cache, 0, last_only=True)
+        out = []
+        for t in range(1, 7):
+            cache.length = ctx
+            out.append(model.run_layers(model.embed_tokens(torch.randint(0, vocab, (1, t), generator=g)), cache, ctx))
+        vis = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+        mask = torch.cat([torch.ones(4, ctx, dtype=torch.bool), vis], dim=1)
+        positions = torch.tensor([ctx, ctx + 1, ctx + 1, ctx + 2])
+        tokens = torch.randint(0, vocab, (1, 4), generator=g)
+        out.append(model.run_layers(model.embed_tokens(tokens), cache, ctx, positions=positions, mask=mask))
+    return out, cache.k.clone()
+
+
+@needs_avx2
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases
+@pytest.mark.parametrize("store", [None, torch.float32])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fused_block_gives_the_per_op_bits(tiny_model, monkeypatch, arch: str, store, threads: int) -> None:
+    d = tiny_model(arch=arch, hidden_size=64, intermediate_size=128, vocab_size=320, layers=3)
+    model = load_model(d, torch.bfloat16, kernel="q4-avx2").model
+    assert all(block.fused() is not None for block in model.layers)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        fused, k_fused = passes(model, True, store, monkeypatch)
+        plain, k_plain = passes(model, False, store, monkeypatch)
+    finally:
+        torch.set_num_threads(before)
+    for i, (a, b) in enumerate(zip(fused, plain, strict=True)):
+        assert torch.equal(a, b), f"pass {i}"
+    assert torch.equal(k_fused, k_plain)
+
+
+@needs_avx2
+def test_fused_block_steps_aside_where_it_does_not_apply(tiny_model) -> None:
+    """Other kernels (torch's q4 here) and training (gradients) keep the per-op path."""
+    d = tiny_model(hidden_size=64, intermediate_size=128, vocab_size=320)
+    assert load_model(d, torch.bfloat16, kernel="q4").model.layers[0].fused() is None
+    model = load_model(d, torch.bfloat16, kernel="q4-avx2").model
+    block = model.layers[0]
+    assert block.fused() is not None
+    calls = []
+    ext = amx.avx2_extension()
+    original = ext.block_forward
+    try:
+        ext.block_forward = lambda *a: (calls.append(1), original(*a))[1]
+        cache = model.new_cache(8)
+        x = torch.randn(1, 2, 64, dtype=torch.bfloat16, requires_grad=True)
+        cos, sin = model.rope(0, 2, torch.bfloat16)
+        block(x, cos, sin, cache, 0, 0, model.causal_mask(0, 2, 8)).float().sum().backward()
+        assert not calls and x.grad is not None
+        with torch.inference_mode():
+            block(x.detach(), cos, sin, cache, 0, 0, model.causal_mask(0, 2, 8))
+        assert calls
+    finally:
+        ext.block_forward = original
+
+
+@needs_avx2
+def test_swiglu_rounds_as_torch_does() -> None:
+    """The C++ ``silu(gate) * up``: torch's two bfloat16 roundings with its own exp, so at most a unit in
+    the last place apart from torch's (and equal almost everywhere); with gradients, torch's own."""
+    y = (torch.randn(7, 2 * 1536, generator=torch.Generator().manual_seed(0)) * 4).to(torch.bfloat16)
+    gate, up = y.float().chunk(2, dim=-1)
+    ref = (F.silu(gate).to(torch.bfloat16).float() * up).to(torch.bfloat16)
+    with torch.inference_mode():
+        got = swiglu(y)
+    ulp = 2.0 ** (torch.floor(torch.log2(ref.float().abs().clamp_min(1e-30))) - 7)
+    assert ((got.float() - ref.float()).abs() <= ulp).all()
+    assert (got == ref).float().mean() > 0.99
+    x = y.float().requires_grad_()
+    assert torch.equal(swiglu(x), F.silu(x.chunk(2, -1)[0]) * x.chunk(2, -1)[1])
