@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
+import m2r2.model
 from m2r2.files import atomic_text
 from m2r2.machine import cpu_name
-from m2r2.model import FUSED_BLOCKS
 from m2r2.paths import cache_root
 
 C = TypeVar("C")
@@ -128,7 +128,7 @@ def cost_cache_path(engine: Loaded, fast: nn.Module, k_max: int) -> Path:
         "model": engine.fingerprint,
         "dtype": engine.dtype_name,
         "kernel": engine.kernel,
-        "fused_blocks": FUSED_BLOCKS,
+        "fused_blocks": m2r2.model.FUSED_BLOCKS,  # read now: a run may switch it
         "fast": asdict(fast.cfg),
         "adapters": getattr(fast, "use_adapters", True),
         "folded": getattr(fast, "merged", None) is not None,
