@@ -366,3 +366,20 @@ def test_argmax_rows_picks_what_torch_picks(ext) -> None:
             assert torch.equal(ext().argmax_rows(x), x.argmax(-1))
             assert torch.equal(argmax_rows(x), x.argmax(-1))
             assert torch.equal(argmax_rows(x[0]), x[0].argmax(-1))
+
+
+def test_a_killed_builds_lock_is_dropped_a_live_ones_kept(tmp_path, capsys) -> None:
+    """torch's extension builder waits forever on a lock a killed build left behind; one older than a
+    build can take is removed (and said), a fresh one is another process building: kept."""
+    import os
+    import time
+
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    amx._drop_stale_lock(lock)
+    assert lock.exists()
+    old = time.time() - amx.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    amx._drop_stale_lock(lock)
+    assert not lock.exists() and "stale C++ build lock" in capsys.readouterr().err
+    amx._drop_stale_lock(lock)  # none there: nothing to do

@@ -23,6 +23,7 @@ import functools
 import hashlib
 import os
 import sys
+import time
 import warnings
 from pathlib import Path
 from types import ModuleType
@@ -87,6 +88,7 @@ def _build(name: str, sources: list[Path], headers: list[Path], flags: list[str]
         from torch.utils.cpp_extension import load
 
         build.mkdir(parents=True, exist_ok=True)
+        _drop_stale_lock(build / "lock")
         if not any(build.glob("*.so")):
             print("m2r2: building the C++ kernels for this CPU (once, ~30 s)", file=sys.stderr)
         module = load(
@@ -101,6 +103,22 @@ def _build(name: str, sources: list[Path], headers: list[Path], flags: list[str]
         warnings.warn(f"the C++ kernels are not available here ({type(e).__name__}: {first[:200]})", stacklevel=3)
         return None
     return module if module.usable() else None
+
+
+#: a build holds its directory's lock for about a minute; one this old was left by a killed build
+STALE_LOCK_S = 600
+
+
+def _drop_stale_lock(lock: Path) -> None:
+    """Remove a build lock left behind by a killed build: torch's builder would wait on it forever (and
+    then load a module that was never built)."""
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        print(f"m2r2: removing a stale C++ build lock ({age / 60:.0f} minutes old): {lock}", file=sys.stderr)
+        lock.unlink(missing_ok=True)
 
 
 def row_helpers() -> ModuleType | None:

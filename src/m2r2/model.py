@@ -528,6 +528,7 @@ class Block(nn.Module):
             and isinstance(self.mlp, MLP)
             and self.attn.q_norm is None
             and self.attn.clip is None
+            and self.attn.head_dim % 16 == 0
             and self.attn_norm.weight.dtype == torch.bfloat16
             and self.mlp_norm.weight.dtype == torch.bfloat16
             and all(getattr(lin, "op", None) in _AVX2_OPS and getattr(lin, "products", None) == "avx2" for lin in lins)

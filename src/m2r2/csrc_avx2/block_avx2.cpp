@@ -2,12 +2,13 @@
 // RoPE, the K/V write into the cache, the row attention, the output projection, the residual add, RMSNorm,
 // SwiGLU and the second residual add.
 //
-// Why: on a 2-vCPU Zen 3 a one-token SmolLM2 step spent ~6 of its 11 ms in torch ops and Python around the
-// kernels (25 small ops per layer: views, casts, RoPE's four, adds, the cache write; measured with
-// torch.profiler), against ~5 ms in the kernels. Every step here calls the same raw kernels as the ops in
-// q4_avx2.cpp and rows_avx2.cpp and rounds where torch rounds (each bfloat16 op computes in float32 and
-// rounds to nearest even), so a row gets the bits of the per-op path (tested) and stays independent of the
-// pass: lossless verification and the server's batched steps (which keep the per-op path) are unaffected.
+// Why: on a 2-vCPU Zen 3 a one-token SmolLM2 step's layers took 10.8 ms through the per-op path and 6.2 ms
+// here (experiments/fused_block.py): ~25 small torch ops per layer (views, casts, RoPE's four, the adds, the
+// cache write) and the Python around them cost about as much as the kernels. Every step here calls the same
+// raw kernels as the ops in q4_avx2.cpp and rows_avx2.cpp and rounds where torch rounds (each bfloat16 op
+// computes in float32 and rounds to nearest even), so a row gets the bits of the per-op path (tested) and
+// stays independent of the pass: lossless verification and the server's batched steps (which keep the
+// per-op path) are unaffected.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>
@@ -23,16 +24,11 @@ namespace {
 
 using namespace m2r2_avx2;
 
-inline float bf(uint16_t b) {
-  uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-inline uint16_t to_bf(float f) {  // round to nearest even (finite values), as c10::BFloat16
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+inline const at::BFloat16* as_bf16(const uint16_t* p) { return reinterpret_cast<const at::BFloat16*>(p); }
+
+// out[i] = bf16(a[i] + b[i]) for n values (n a multiple of 8): torch's bfloat16 add, 8 lanes at a time
+inline void add_bf16(const uint16_t* a, const uint16_t* b, uint16_t* out, int64_t n) {
+  for (int64_t i = 0; i < n; i += 8) store8_bf16(out + i, _mm256_add_ps(load8(as_bf16(a + i), 8), load8(as_bf16(b + i), 8)));
 }
 
 struct Linear {
@@ -45,8 +41,7 @@ struct Linear {
                 scales.data_ptr<at::Half>(), qbytes.size(0), y);
     if (bias.defined()) {
       const auto* b = reinterpret_cast<const uint16_t*>(bias.data_ptr<at::BFloat16>());
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t j = 0; j < out; ++j) y[r * out + j] = to_bf(bf(y[r * out + j]) + bf(b[j]));
+      for (int64_t r = 0; r < rows; ++r) add_bf16(y + r * out, b, y + r * out, out);
     }
   }
 };
@@ -86,7 +81,8 @@ BlockWeights make_block(torch::Tensor attn_norm, torch::Tensor mlp_norm, double 
   TORCH_CHECK(attn_norm.scalar_type() == at::kBFloat16 && mlp_norm.scalar_type() == at::kBFloat16 &&
                   attn_norm.is_contiguous() && mlp_norm.is_contiguous(),
               "norm weights: contiguous bfloat16");
-  TORCH_CHECK(head_dim % 8 == 0 && heads % kv_heads == 0, "head shape");
+  TORCH_CHECK(head_dim % 16 == 0 && heads % kv_heads == 0, "head shape: head_dim a multiple of 16");
+  TORCH_CHECK(attn_norm.numel() % 8 == 0 && inter % 8 == 0, "widths: multiples of 8");
   const int64_t d = attn_norm.numel(), q = heads * head_dim, kv = kv_heads * head_dim;
   auto opt = [](const torch::Tensor& b) { return b.numel() ? b : torch::Tensor(); };
   BlockWeights w;
@@ -142,21 +138,21 @@ torch::Tensor block_forward(const BlockWeights& w, torch::Tensor x, torch::Tenso
   const int64_t el = k_cache.element_size();
   for (int64_t t = 0; t < T; ++t) {
     const uint16_t* yt = y.data() + t * nqkv;
-    const uint16_t *ct = cp + t * D, *st = sp + t * D;
+    const at::BFloat16 *ct = as_bf16(cp + t * D), *st = as_bf16(sp + t * D);
     for (int64_t hh = 0; hh < H + KVH; ++hh) {
-      const uint16_t* src = yt + hh * D;
-      for (int64_t i = 0; i < D; ++i) {
-        const uint16_t r = to_bf(bf(to_bf(bf(src[i]) * bf(ct[i]))) + bf(to_bf(bf(src[(i + D / 2) % D]) * bf(st[i]))));
+      const at::BFloat16* src = as_bf16(yt + hh * D);
+      for (int64_t i = 0; i < D; i += 8) {  // roll(x, D/2)'s chunk starts at (i + D/2) % D (D % 16 == 0)
+        const __m256 a = round_bf16(_mm256_mul_ps(load8(src + i, 8), load8(ct + i, 8)));
+        const __m256 b = round_bf16(_mm256_mul_ps(load8(src + (i + D / 2) % D, 8), load8(st + i, 8)));
+        const __m256 r = _mm256_add_ps(a, b);
         if (hh < H) {
-          qf[(hh * T + t) * D + i] = bf(r);  // q as float32 [H, T, D], widened exactly
+          _mm256_storeu_ps(qf.data() + (hh * T + t) * D + i, round_bf16(r));  // q as float32 [H, T, D]
         } else {
           char* dst = kb + ((hh - H) * ks[0] + (pos + t) * ks[1] + i) * el;
           if (k16)
-            std::memcpy(dst, &r, 2);
-          else {
-            const float f = bf(r);
-            std::memcpy(dst, &f, 4);
-          }
+            store8_bf16(reinterpret_cast<uint16_t*>(dst), r);
+          else
+            _mm256_storeu_ps(reinterpret_cast<float*>(dst), round_bf16(r));
         }
       }
     }
@@ -166,27 +162,24 @@ torch::Tensor block_forward(const BlockWeights& w, torch::Tensor x, torch::Tenso
       if (k16)
         std::memcpy(dst, src, D * 2);
       else
-        for (int64_t i = 0; i < D; ++i) {
-          const float f = bf(src[i]);
-          std::memcpy(dst + i * 4, &f, 4);
-        }
+        for (int64_t i = 0; i < D; i += 8) _mm256_storeu_ps(reinterpret_cast<float*>(dst) + i, load8(as_bf16(src + i), 8));
     }
   }
   const int64_t kv[6] = {k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                          v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)};
   attention_rows(qf.data(), k_cache.data_ptr(), v_cache.data_ptr(), k16, kv, mask.data_ptr<bool>(), 0, of.data(), 1, H,
                  T, D, KVH, S, static_cast<float>(std::pow(static_cast<double>(D), -0.5)));
-  for (int64_t i = 0; i < T * nq; ++i) o[i] = to_bf(of[i]);  // [T, H, D] = [T, H * D]
+  for (int64_t i = 0; i < T * nq; i += 8) store8_bf16(o.data() + i, _mm256_loadu_ps(of.data() + i));  // [T, H * D]
 
   w.o.run(o.data(), T, a.data());
-  for (int64_t i = 0; i < T * d; ++i) a[i] = to_bf(bf(xp[i]) + bf(a[i]));
+  add_bf16(xp, a.data(), a.data(), T * d);
   rms_norm_rows(reinterpret_cast<const at::BFloat16*>(a.data()), w.mlp_norm.data_ptr<at::BFloat16>(), T, d, eps, h.data());
   w.w13.run(h.data(), T, gu.data());
   silu_mul_rows(reinterpret_cast<const at::BFloat16*>(gu.data()), T, inter, act.data());
   auto out = torch::empty({T, d}, x.options());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   w.w2.run(act.data(), T, op);
-  for (int64_t i = 0; i < T * d; ++i) op[i] = to_bf(bf(a[i]) + bf(op[i]));
+  add_bf16(a.data(), op, op, T * d);
   return out;
 }
 

@@ -162,6 +162,7 @@ void attend_row(const float* q, int64_t qstride, const KT* kb, int64_t ks, const
       for (int64_t j = 0; j < nb; ++j) e[g * (n + 8) + i0 + j] = hsum(acc[j]) * sc;
     }
   }
+  std::vector<float> tots(G);
   for (int64_t g = 0; g < G; ++g) {
     float* eg = e.data() + g * (n + 8);
     float mx = -INFINITY;
@@ -171,18 +172,30 @@ void attend_row(const float* q, int64_t qstride, const KT* kb, int64_t ks, const
       _mm256_storeu_ps(eg + i, exp8(_mm256_sub_ps(_mm256_loadu_ps(eg + i), _mm256_set1_ps(mx))));
     float tot = 0.0f;
     for (int64_t i = 0; i < n; ++i) tot += eg[i];
-    float* o = out + g * D;
-    for (int64_t d0 = 0; d0 < D; d0 += 64) {  // up to 8 registers of output lanes at a time
-      const int64_t chunks = std::min<int64_t>(8, (D - d0) / 8);
-      __m256 acc[8];
-      for (int c = 0; c < chunks; ++c) acc[c] = _mm256_setzero_ps();
+    tots[g] = tot;
+  }
+  // weighted values: each value chunk widened once for up to three query vectors (each output lane still
+  // adds its keys' terms in cache order: the same bits as one query vector at a time)
+  for (int64_t g0 = 0; g0 < G; g0 += 3) {
+    const int gn = static_cast<int>(std::min<int64_t>(3, G - g0));
+    for (int64_t d0 = 0; d0 < D; d0 += 32) {  // up to 4 registers of output lanes per query vector
+      const int chunks = static_cast<int>(std::min<int64_t>(4, (D - d0) / 8));
+      __m256 acc[3][4];
+      for (int j = 0; j < gn; ++j)
+        for (int c = 0; c < chunks; ++c) acc[j][c] = _mm256_setzero_ps();
       for (int64_t i = 0; i < n; ++i) {
-        const __m256 p = _mm256_set1_ps(eg[i]);
         const KT* v = vb + keys[i] * vs + d0;
-        for (int c = 0; c < chunks; ++c) acc[c] = _mm256_fmadd_ps(p, load_row8(v + 8 * c), acc[c]);
+        __m256 vc[4];
+        for (int c = 0; c < chunks; ++c) vc[c] = load_row8(v + 8 * c);
+        for (int j = 0; j < gn; ++j) {
+          const __m256 p = _mm256_set1_ps(e[(g0 + j) * (n + 8) + i]);
+          for (int c = 0; c < chunks; ++c) acc[j][c] = _mm256_fmadd_ps(p, vc[c], acc[j][c]);
+        }
       }
-      const __m256 inv = _mm256_set1_ps(tot);
-      for (int c = 0; c < chunks; ++c) _mm256_storeu_ps(o + d0 + 8 * c, _mm256_div_ps(acc[c], inv));
+      for (int j = 0; j < gn; ++j) {
+        const __m256 inv = _mm256_set1_ps(tots[g0 + j]);
+        for (int c = 0; c < chunks; ++c) _mm256_storeu_ps(out + (g0 + j) * D + d0 + 8 * c, _mm256_div_ps(acc[j][c], inv));
+      }
     }
   }
 }
