@@ -102,3 +102,71 @@ def test_swiglu_rounds_as_torch_does() -> None:
     assert (got == ref).float().mean() > 0.99
     x = y.float().requires_grad_()
     assert torch.equal(swiglu(x), F.silu(x.chunk(2, -1)[0]) * x.chunk(2, -1)[1])
+
+
+def avx2_stream(tiny_model, noise: float = 0.1):
+    """A tiny model on the AVX2 kernels and a folded one-layer seeded stream over its last layer with a
+    draft vocabulary (the shipped stream's shape)."""
+    from m2r2.multirate.seeded import SeededConfig, SeededFastStream
+
+    d = tiny_model(hidden_size=64, intermediate_size=128, vocab_size=320, layers=3)
+    model = load_model(d, torch.bfloat16, kernel="q4-avx2").model
+    fast = SeededFastStream(model, SeededConfig.build(3, depth=1, rank=4))
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(0)
+        for p in fast.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * noise)
+    fast.draft_vocab = torch.arange(0, 320, 2)
+    return model, fast.freeze(merge=True)
+
+
+@needs_avx2
+def test_a_fused_draft_level_is_the_per_op_level(tiny_model, monkeypatch) -> None:
+    """One C++ call for a draft level gives the per-op level's fast states (bits) and top tokens, and its
+    probabilities within float32 rounding (its softmax has its own exp)."""
+    from m2r2.decoding.tree import SeededDrafter, Tree
+
+    model, fast = avx2_stream(tiny_model)
+    assert fast.fused_level() is not None
+    tree = Tree([7, 11, 12], [-1, 0, 0], [0, 1, 1], [1.0, 0.6, 0.3])
+    results = []
+    for fused in (True, False):
+        monkeypatch.setattr(model_mod, "FUSED_BLOCKS", fused)
+        drafter = SeededDrafter(fast)
+        with torch.inference_mode():
+            cache = model.new_cache(64)
+            h = model.run_layers(model.embed_tokens(torch.arange(20)[None] % 320), cache, 0)
+            drafter.start(h[:, -1:], cache, 20)
+            first = drafter.top(tree, [0], 3)
+            second = drafter.top(tree, [1, 2], 3)  # a second level reads the first's fast K/V
+        results.append((first, second, torch.stack([drafter.seeds[r] for r in (0, 1, 2)]), cache.k.clone()))
+    (f1, s1, seeds1, k1), (f2, s2, seeds2, k2) = results
+    assert torch.equal(seeds1, seeds2) and torch.equal(k1, k2)
+    for (ids_a, p_a), (ids_b, p_b) in ((f1, f2), (s1, s2)):
+        assert torch.equal(ids_a, ids_b)
+        assert torch.allclose(p_a, p_b, rtol=1e-5, atol=1e-7)
+
+
+@needs_avx2
+@pytest.mark.parametrize("lookup", [0, 4])
+def test_trees_drafted_in_fused_levels_stay_plain_greedy(tiny_model, lookup: int) -> None:
+    import random
+
+    from m2r2.decoding.autoregressive import Autoregressive
+    from m2r2.decoding.base import GenerationConfig
+    from m2r2.decoding.tree import TreeSpeculative
+
+    model, fast = avx2_stream(tiny_model, noise=0.05)
+    ext = amx.avx2_extension()
+    calls, original = [], ext.draft_level
+    rng = random.Random(lookup)
+    try:
+        ext.draft_level = lambda *a: (calls.append(1), original(*a))[1]
+        strat = TreeSpeculative("m2r2", model, fast, [], None, 8, 4, 2, 2, lookup=lookup)
+        for _ in range(3):
+            prompt = [rng.randrange(320) for _ in range(rng.randint(2, 30))]
+            gen = GenerationConfig(max_new_tokens=rng.randint(10, 50))
+            assert strat.generate(prompt, gen).tokens == Autoregressive(model, []).generate(prompt, gen).tokens
+    finally:
+        ext.draft_level = original
+    assert calls

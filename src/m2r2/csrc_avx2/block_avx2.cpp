@@ -47,6 +47,7 @@ struct Linear {
 };
 
 Linear make_linear(torch::Tensor qbytes, torch::Tensor scales, int64_t bits, torch::Tensor bias, int64_t in, int64_t out) {
+  if (bias.defined() && bias.numel() == 0) bias = torch::Tensor();  // an empty tensor: no bias
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
   TORCH_CHECK(qbytes.element_size() == 1 && qbytes.is_contiguous() && qbytes.dim() == 3 && qbytes.size(0) * 8 == out,
               "qbytes: packed [out/8, ., 32]");
@@ -84,44 +85,26 @@ BlockWeights make_block(torch::Tensor attn_norm, torch::Tensor mlp_norm, double 
   TORCH_CHECK(head_dim % 16 == 0 && heads % kv_heads == 0, "head shape: head_dim a multiple of 16");
   TORCH_CHECK(attn_norm.numel() % 8 == 0 && inter % 8 == 0, "widths: multiples of 8");
   const int64_t d = attn_norm.numel(), q = heads * head_dim, kv = kv_heads * head_dim;
-  auto opt = [](const torch::Tensor& b) { return b.numel() ? b : torch::Tensor(); };
   BlockWeights w;
   w.attn_norm = attn_norm;
   w.mlp_norm = mlp_norm;
   w.eps = eps;
-  w.qkv = make_linear(qbytes[0], scales[0], bits[0], opt(biases[0]), d, q + 2 * kv);
-  w.o = make_linear(qbytes[1], scales[1], bits[1], opt(biases[1]), q, d);
-  w.w13 = make_linear(qbytes[2], scales[2], bits[2], opt(biases[2]), d, 2 * inter);
-  w.w2 = make_linear(qbytes[3], scales[3], bits[3], opt(biases[3]), inter, d);
+  w.qkv = make_linear(qbytes[0], scales[0], bits[0], biases[0], d, q + 2 * kv);
+  w.o = make_linear(qbytes[1], scales[1], bits[1], biases[1], q, d);
+  w.w13 = make_linear(qbytes[2], scales[2], bits[2], biases[2], d, 2 * inter);
+  w.w2 = make_linear(qbytes[3], scales[3], bits[3], biases[3], inter, d);
   w.heads = heads;
   w.kv_heads = kv_heads;
   w.head_dim = head_dim;
   return w;
 }
 
-// x [T, d] bfloat16 contiguous (the rows' residual stream); k_cache, v_cache [1, KVH, capacity, D] (bfloat16 or
-// float32, unit stride in D): this block's cache, written at slots pos..pos+T-1; mask [T, S] bool contiguous over
-// slots 0..S-1; cos, sin [T, D] bfloat16 (sin sign-folded, m2r2.model.apply_rope). Returns the block's output [T, d].
-torch::Tensor block_forward(const BlockWeights& w, torch::Tensor x, torch::Tensor k_cache, torch::Tensor v_cache,
-                            int64_t pos, torch::Tensor mask, torch::Tensor cos, torch::Tensor sin) {
-  const int64_t T = x.size(0), d = x.size(1), H = w.heads, KVH = w.kv_heads, D = w.head_dim;
-  const int64_t S = mask.size(1), cap = k_cache.size(2);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && d == w.attn_norm.numel(),
-              "x: contiguous bfloat16 [T, d]");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(0) == 1 && k_cache.size(1) == KVH && k_cache.size(3) == D &&
-                  k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type() &&
-                  (k_cache.scalar_type() == at::kBFloat16 || k_cache.scalar_type() == at::kFloat) &&
-                  k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
-              "k_cache, v_cache: [1, KVH, capacity, D], bfloat16 or float32, unit stride in D");
-  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.is_contiguous() && mask.dim() == 2 && mask.size(0) == T && S <= cap,
-              "mask: contiguous bool [T, S], S <= capacity");
-  TORCH_CHECK(pos >= 0 && pos + T <= cap, "rows past the cache's capacity");
-  TORCH_CHECK(cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16 && cos.is_contiguous() &&
-                  sin.is_contiguous() && cos.size(0) == T && cos.size(1) == D && sin.sizes() == cos.sizes(),
-              "cos, sin: contiguous bfloat16 [T, D]");
-  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  const auto* cp = reinterpret_cast<const uint16_t*>(cos.data_ptr<at::BFloat16>());
-  const auto* sp = reinterpret_cast<const uint16_t*>(sin.data_ptr<at::BFloat16>());
+namespace {
+
+// The block over T rows (raw pointers; the checks are the callers'): x, cos, sin, out as bfloat16 bits.
+void block_rows(const BlockWeights& w, const uint16_t* xp, int64_t T, torch::Tensor& k_cache, torch::Tensor& v_cache,
+                int64_t pos, const bool* mask, int64_t S, const uint16_t* cp, const uint16_t* sp, uint16_t* op) {
+  const int64_t d = w.attn_norm.numel(), H = w.heads, KVH = w.kv_heads, D = w.head_dim;
   const float eps = static_cast<float>(w.eps);
   const int64_t nq = H * D, nkv = KVH * D, nqkv = nq + 2 * nkv, inter = w.w2.in;
 
@@ -167,7 +150,7 @@ torch::Tensor block_forward(const BlockWeights& w, torch::Tensor x, torch::Tenso
   }
   const int64_t kv[6] = {k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                          v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)};
-  attention_rows(qf.data(), k_cache.data_ptr(), v_cache.data_ptr(), k16, kv, mask.data_ptr<bool>(), 0, of.data(), 1, H,
+  attention_rows(qf.data(), k_cache.data_ptr(), v_cache.data_ptr(), k16, kv, mask, 0, of.data(), 1, H,
                  T, D, KVH, S, static_cast<float>(std::pow(static_cast<double>(D), -0.5)));
   for (int64_t i = 0; i < T * nq; i += 8) store8_bf16(o.data() + i, _mm256_loadu_ps(of.data() + i));  // [T, H * D]
 
@@ -176,15 +159,135 @@ torch::Tensor block_forward(const BlockWeights& w, torch::Tensor x, torch::Tenso
   rms_norm_rows(reinterpret_cast<const at::BFloat16*>(a.data()), w.mlp_norm.data_ptr<at::BFloat16>(), T, d, eps, h.data());
   w.w13.run(h.data(), T, gu.data());
   silu_mul_rows(reinterpret_cast<const at::BFloat16*>(gu.data()), T, inter, act.data());
-  auto out = torch::empty({T, d}, x.options());
-  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   w.w2.run(act.data(), T, op);
   add_bf16(a.data(), op, op, T * d);
+}
+
+
+}  // namespace
+
+void check_cache(const torch::Tensor& k_cache, const torch::Tensor& v_cache, int64_t KVH, int64_t D) {
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(0) == 1 && k_cache.size(1) == KVH && k_cache.size(3) == D &&
+                  k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type() &&
+                  (k_cache.scalar_type() == at::kBFloat16 || k_cache.scalar_type() == at::kFloat) &&
+                  k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
+              "k_cache, v_cache: [1, KVH, capacity, D], bfloat16 or float32, unit stride in D");
+}
+
+// x [T, d] bfloat16 contiguous (the rows' residual stream); k_cache, v_cache [1, KVH, capacity, D] (bfloat16 or
+// float32, unit stride in D): this block's cache, written at slots pos..pos+T-1; mask [T, S] bool contiguous over
+// slots 0..S-1; cos, sin [T, D] bfloat16 (sin sign-folded, m2r2.model.apply_rope). Returns the block's output [T, d].
+torch::Tensor block_forward(const BlockWeights& w, torch::Tensor x, torch::Tensor k_cache, torch::Tensor v_cache,
+                            int64_t pos, torch::Tensor mask, torch::Tensor cos, torch::Tensor sin) {
+  const int64_t T = x.size(0), d = x.size(1), H = w.heads, KVH = w.kv_heads, D = w.head_dim;
+  const int64_t S = mask.size(1), cap = k_cache.size(2);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && d == w.attn_norm.numel(),
+              "x: contiguous bfloat16 [T, d]");
+  check_cache(k_cache, v_cache, KVH, D);
+  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.is_contiguous() && mask.dim() == 2 && mask.size(0) == T && S <= cap,
+              "mask: contiguous bool [T, S], S <= capacity");
+  TORCH_CHECK(pos >= 0 && pos + T <= cap, "rows past the cache's capacity");
+  TORCH_CHECK(cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16 && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.size(0) == T && cos.size(1) == D && sin.sizes() == cos.sizes(),
+              "cos, sin: contiguous bfloat16 [T, D]");
+  auto out = torch::empty({T, d}, x.options());
+  block_rows(w, reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), T, k_cache, v_cache, pos,
+             mask.data_ptr<bool>(), S, reinterpret_cast<const uint16_t*>(cos.data_ptr<at::BFloat16>()),
+             reinterpret_cast<const uint16_t*>(sin.data_ptr<at::BFloat16>()),
+             reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
   return out;
+}
+
+
+// One greedy draft level of a seeded fast stream whose one fast layer is a full (merged) block: node i is seeded
+// by its parent's fast state fused with its token's embedding (`fuse`: [h | e] -> d), runs the block at RoPE
+// position positions[i] over the slow cache 0..verified-1 and the fast K/V of earlier draft rows
+// (verified..verified+drafted-1) as fast_mask [n, drafted + n] allows (its own K/V written at
+// verified+drafted+i), then the draft head: the final RMSNorm, the draft-vocabulary rows of the LM head
+// (`head`), softmax and the k best. What m2r2.multirate.seeded's step + draft_top do, in one call (the same
+// kernels; the softmax's exp is this build's). Returns the fast states [n, d] bfloat16, the k best
+// draft-vocabulary indices [n, k] int64 and their probabilities [n, k] float32.
+std::vector<torch::Tensor> draft_level(const BlockWeights& w, const Linear& fuse, const Linear& head, torch::Tensor norm_w,
+                                       double eps, torch::Tensor embed, torch::Tensor seeds, torch::Tensor tokens,
+                                       torch::Tensor positions, torch::Tensor rope_cos, torch::Tensor rope_sin,
+                                       torch::Tensor k_cache, torch::Tensor v_cache, int64_t verified, int64_t drafted,
+                                       torch::Tensor fast_mask, int64_t k) {
+  const int64_t n = seeds.size(0), d = w.attn_norm.numel(), D = w.head_dim, V = head.out;
+  check_cache(k_cache, v_cache, w.kv_heads, D);
+  TORCH_CHECK(seeds.dim() == 2 && seeds.size(1) == d && seeds.scalar_type() == at::kBFloat16 && seeds.is_contiguous(),
+              "seeds: contiguous bfloat16 [n, d]");
+  TORCH_CHECK(fuse.in == 2 * d && fuse.out == d && head.in == d && k >= 1 && k <= V, "fuse: 2d -> d, head: d -> V");
+  TORCH_CHECK(embed.dim() == 2 && embed.size(1) == d && embed.scalar_type() == at::kBFloat16 && embed.is_contiguous(),
+              "embed: contiguous bfloat16 [vocab, d]");
+  TORCH_CHECK(tokens.scalar_type() == at::kLong && positions.scalar_type() == at::kLong && tokens.numel() == n &&
+                  positions.numel() == n && tokens.is_contiguous() && positions.is_contiguous(),
+              "tokens, positions: contiguous int64 [n]");
+  TORCH_CHECK(rope_cos.scalar_type() == at::kBFloat16 && rope_sin.scalar_type() == at::kBFloat16 &&
+                  rope_cos.is_contiguous() && rope_sin.is_contiguous() && rope_cos.size(1) == D,
+              "rope tables: contiguous bfloat16 [positions, D]");
+  TORCH_CHECK(fast_mask.scalar_type() == at::kBool && fast_mask.is_contiguous() && fast_mask.size(0) == n &&
+                  fast_mask.size(1) == drafted + n,
+              "fast_mask: contiguous bool [n, drafted + n]");
+  const int64_t at = verified + drafted, S = at + n;
+  TORCH_CHECK(verified >= 0 && drafted >= 0 && S <= k_cache.size(2), "draft rows past the cache's capacity");
+  const auto* tp = tokens.data_ptr<int64_t>();
+  const auto* pp = positions.data_ptr<int64_t>();
+  const auto* ep = reinterpret_cast<const uint16_t*>(embed.data_ptr<at::BFloat16>());
+  const auto* sp = reinterpret_cast<const uint16_t*>(seeds.data_ptr<at::BFloat16>());
+  std::vector<uint16_t> x(n * 2 * d), f0(n * d), cs(n * D), sn(n * D), hn(n * d), logits(n * V);
+  std::vector<char> mask(n * S);
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(tp[i] >= 0 && tp[i] < embed.size(0) && pp[i] >= 0 && pp[i] < rope_cos.size(0), "token or position");
+    std::memcpy(x.data() + i * 2 * d, sp + i * d, d * 2);
+    std::memcpy(x.data() + i * 2 * d + d, ep + tp[i] * d, d * 2);
+    std::memcpy(cs.data() + i * D, reinterpret_cast<const uint16_t*>(rope_cos.data_ptr<at::BFloat16>()) + pp[i] * D, D * 2);
+    std::memcpy(sn.data() + i * D, reinterpret_cast<const uint16_t*>(rope_sin.data_ptr<at::BFloat16>()) + pp[i] * D, D * 2);
+    std::memset(mask.data() + i * S, 1, verified);
+    std::memcpy(mask.data() + i * S + verified, fast_mask.data_ptr<bool>() + i * (drafted + n), drafted + n);
+  }
+  fuse.run(x.data(), n, f0.data());
+  auto states = torch::empty({n, d}, seeds.options());
+  auto* fp = reinterpret_cast<uint16_t*>(states.data_ptr<at::BFloat16>());
+  block_rows(w, f0.data(), n, k_cache, v_cache, at, reinterpret_cast<const bool*>(mask.data()), S, cs.data(), sn.data(), fp);
+  rms_norm_rows(as_bf16(fp), norm_w.data_ptr<at::BFloat16>(), n, d, static_cast<float>(eps), hn.data());
+  head.run(hn.data(), n, logits.data());
+  auto ids = torch::empty({n, k}, tokens.options());
+  auto probs = torch::empty({n, k}, seeds.options().dtype(at::kFloat));
+  auto ia = ids.accessor<int64_t, 2>();
+  auto pa = probs.accessor<float, 2>();
+  for (int64_t i = 0; i < n; ++i) {  // softmax over the draft vocabulary, the k largest (lower index first on ties)
+    const at::BFloat16* row = as_bf16(logits.data() + i * V);
+    std::vector<float> l(V + 8, -INFINITY);
+    for (int64_t j = 0; j < V; ++j) l[j] = static_cast<float>(row[j]);
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < V; ++j) mx = std::max(mx, l[j]);
+    __m256 tot8 = _mm256_setzero_ps();
+    for (int64_t j = 0; j < V; j += 8)
+      tot8 = _mm256_add_ps(tot8, exp8(_mm256_sub_ps(_mm256_loadu_ps(l.data() + j), _mm256_set1_ps(mx))));
+    const float tot = hsum(tot8);
+    std::vector<int64_t> best;
+    for (int64_t j = 0; j < V; ++j) {
+      if (static_cast<int64_t>(best.size()) == k && l[j] <= l[best.back()]) continue;
+      auto pos = best.begin();
+      while (pos != best.end() && l[*pos] >= l[j]) ++pos;
+      best.insert(pos, j);
+      if (static_cast<int64_t>(best.size()) > k) best.pop_back();
+    }
+    for (int64_t j = 0; j < k; ++j) {
+      ia[i][j] = best[j];
+      alignas(32) float e[8] = {l[best[j]] - mx};
+      _mm256_store_ps(e, exp8(_mm256_load_ps(e)));
+      pa[i][j] = e[0] / tot;
+    }
+  }
+  return {states, ids, probs};
 }
 
 void bind_block(pybind11::module& m) {
   pybind11::class_<BlockWeights>(m, "BlockWeights");
   m.def("make_block", &make_block, "a decoder block's weights for block_forward");
   m.def("block_forward", &block_forward, "one decoder block over a few rows (the per-op path's bits)");
+  pybind11::class_<Linear>(m, "PackedLinearWeights");
+  m.def("make_linear", &make_linear, "a packed linear layer's weights for draft_level");
+  m.def("draft_level", &draft_level, "one greedy draft level of a one-layer seeded fast stream");
 }

@@ -230,6 +230,20 @@ class SeededDrafter:
         return f
 
     def top(self, tree: Tree, frontier: list[int], k: int) -> tuple[Tensor, Tensor]:
+        rows = self.kv_rows + frontier
+        if not self.taps:  # one C++ call for the whole level where the stream allows it
+            vis = tree.ancestors(rows)[len(self.kv_rows) :]
+            seeds = torch.stack([self.seeds[tree.parents[r]] for r in frontier])
+            positions = [self.verified + tree.depths[r] for r in frontier]
+            tokens = [tree.tokens[r] for r in frontier]
+            done = self.fast.draft_top_fused(
+                seeds, tokens, positions, self.cache, self.verified, len(self.kv_rows), vis, k
+            )
+            if done is not None:
+                states, ids, probs = done
+                self.kv_rows = rows
+                self.seeds.update(zip(frontier, states, strict=True))
+                return ids, probs
         return self.fast.draft_top(self._level(tree, frontier), k)
 
     def logits(self, tree: Tree, frontier: list[int]) -> Tensor:

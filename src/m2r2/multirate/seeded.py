@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+import m2r2.model
+from m2r2 import amx
 from m2r2.cache import KVCache
 from m2r2.errors import SettingsError
 from m2r2.kernels import dense_weight, linear_like, widen_logits
@@ -407,6 +409,86 @@ class SeededFastStream(DraftHead, nn.Module):
             sk, sv = cache.view(layer, at + n)
             states.append(self.residual(j, blk, lora, f, attend(q, sk, sv, mask)))  # C++ rows on a CPU
         return states
+
+    def fused_level(self) -> tuple[object, object, object] | None:
+        """The C++ weights of a greedy draft level in one call (``csrc_avx2/block_avx2.cpp: draft_level``), or
+        None where it does not apply: a folded one-layer stream (a full layer, no taps or gates) whose fast
+        block, fuse and draft head run the AVX2 build's kernels. Built once per folding."""
+        key = (id(self.merged), id(self.fuse_infer), id(self.sub_head))
+        kept = self.__dict__.get("_fused_level")
+        if kept is not None and kept[0] == key:
+            return kept[1]
+        level = None
+        ext = amx.avx2_extension()
+        parts = (self.fuse_infer, self.sub_head)
+        if (
+            ext is not None
+            and hasattr(ext, "draft_level")
+            and self.merged is not None
+            and self.cfg.depth == 1
+            and not self.cfg.taps
+            and self.cfg.layers[0] not in self.cfg.attention_only
+            and self.gate(0) is None
+            and (block := self.merged[0].fused()) is not None
+            and all(getattr(m, "op", None) in ("q4_linear_avx2", "q8_linear_avx2") and m.bias is None for m in parts)
+            and self.base.norm.weight.dtype == torch.bfloat16
+            and self.base.embed.weight.dtype == torch.bfloat16
+        ):
+            none = torch.empty(0)
+            fuse, head = (
+                ext.make_linear(
+                    m.qbytes, m.scales, 4 if m.op.startswith("q4") else 8, none, m.in_features, m.out_features
+                )
+                for m in parts
+            )
+            level = (block, fuse, head)
+        self.__dict__["_fused_level"] = (key, level)
+        return level
+
+    def draft_top_fused(
+        self,
+        seeds: Tensor,
+        tokens: list[int],
+        positions: list[int],
+        cache: KVCache,
+        verified: int,
+        drafted: int,
+        fast_mask: Tensor,
+        k: int,
+    ) -> tuple[Tensor, Tensor, Tensor] | None:
+        """:meth:`step` then :meth:`draft_top` for ``n`` nodes in one C++ call where :meth:`fused_level` applies
+        (seeds ``[n, d]``; else None): the fast states ``[n, d]``, the ``k`` best token ids and their draft
+        probabilities ``[n, k]``. Same kernels and fast K/V as :meth:`step`; the softmax's exp is the C++ one."""
+        n = len(tokens)
+        if (
+            not m2r2.model.FUSED_BLOCKS
+            or torch.is_grad_enabled()
+            or cache.k.shape[1] != 1
+            or verified + drafted + n > cache.max_len
+            or (level := self.fused_level()) is None
+        ):
+            return None
+        base, layer = self.base, self.cfg.layers[0]
+        ext = amx.avx2_extension()
+        states, idx, probs = ext.draft_level(  # type: ignore[union-attr]
+            *level,
+            base.norm.weight,
+            base.norm.eps,
+            base.embed.weight,
+            seeds.contiguous(),
+            torch.tensor(tokens),
+            torch.tensor(positions),
+            base.rope_cos,
+            base.rope_sin,
+            cache.k[layer],
+            cache.v[layer],
+            verified,
+            drafted,
+            fast_mask.contiguous(),
+            k,
+        )
+        ids = idx if self.draft_vocab is None else self.draft_vocab[idx]
+        return states, ids, probs
 
     def exit_probability(self, states: list[Tensor]) -> Tensor:
         return torch.sigmoid(self.arla(states, self.cfg.depth))
