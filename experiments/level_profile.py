@@ -9,6 +9,9 @@ What the kernels do not account for is torch ops and Python around them, and the
 extra time in a level, where they run colder than replayed alone (the 2.4 MB draft head does not fit
 in L2): an upper bound on dispatch.
 
+On the AVX2 build a level of the shipped stream is one ``draft_level`` call (fuse, fast block, draft head,
+softmax and top-k; ``csrc_avx2/block_avx2.cpp``): what remains outside it is the tree's tensors and Python.
+
 Why not cProfile (this script's first version): its per-call overhead lands on the many small calls.
 One C++ call per fast layer (the same bits; tried in the tenth round, not kept) saved only 3-6% of a
 level, so the layer's own dispatch is small; what remains is the seed, the head's softmax and top-k,
@@ -40,7 +43,16 @@ tree = Tree(list(range(1, n + 1)), [-1] * n, [0] * n, [1.0] * n)
 ext = amx.extension() or amx.avx2_extension()  # the AVX-512 build, else the AVX2 one (its linears' own names)
 KERNELS = tuple(
     k
-    for k in ("q4_linear", "q8_linear", "q4_linear_avx2", "q8_linear_avx2", "row_attention", "rms_norm")
+    for k in (
+        "q4_linear",
+        "q8_linear",
+        "q4_linear_avx2",
+        "q8_linear_avx2",
+        "row_attention",
+        "rms_norm",
+        "block_forward",
+        "draft_level",
+    )
     if hasattr(ext, k)
 )
 
