@@ -33,6 +33,10 @@ using namespace m2r2_avx2;
 
 constexpr int64_t NB = 8;  // columns per block: one register of 8 float32 sums
 constexpr int MB = 4;      // rows per pass over a block's weights
+#ifndef M2R2_PREFETCH
+#define M2R2_PREFETCH 4096
+#endif
+constexpr int64_t PREFETCH = M2R2_PREFETCH;
 
 inline int32_t hsum(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -88,6 +92,9 @@ inline void block_rows(const uint8_t* qb, const at::Half* sb, const int8_t* xq, 
   for (int r = 0; r < R; ++r) out[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* qg = qb + g * gbytes;
+    for (int64_t line = 0; line < gbytes; line += 64)  // the weights PREFETCH bytes ahead (blocks are contiguous):
+      // a one-row pass is bound by memory latency, not by the dot products (experiments/verify_cost.py)
+      _mm_prefetch(reinterpret_cast<const char*>(qg + PREFETCH + line), _MM_HINT_T0);
     __m256i sums[R];
     if constexpr (BITS == 4) {
       // 16-bit lanes take 16 products of at most 15 * 127 each: no overflow before the widening add
