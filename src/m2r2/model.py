@@ -469,7 +469,7 @@ class MoE(nn.Module):
 #: ``M2R2_NO_FUSED=1`` for the per-op path: the same bits, ~2x the Python and torch overhead per step).
 FUSED_BLOCKS = os.environ.get("M2R2_NO_FUSED") != "1"
 #: the AVX2 build's linear ops and their weight bits
-_AVX2_OPS = {"q4_linear_avx2": 4, "q8_linear_avx2": 8}
+AVX2_OPS = {"q4_linear_avx2": 4, "q8_linear_avx2": 8}
 
 
 class Block(nn.Module):
@@ -531,7 +531,7 @@ class Block(nn.Module):
             and self.attn.head_dim % 16 == 0
             and self.attn_norm.weight.dtype == torch.bfloat16
             and self.mlp_norm.weight.dtype == torch.bfloat16
-            and all(getattr(lin, "op", None) in _AVX2_OPS and getattr(lin, "products", None) == "avx2" for lin in lins)
+            and all(getattr(lin, "op", None) in AVX2_OPS and getattr(lin, "products", None) == "avx2" for lin in lins)
             and all(lin.bias is None or lin.bias.dtype == torch.bfloat16 for lin in lins)  # type: ignore[union-attr]
         ):
             none = torch.empty(0)
@@ -541,7 +541,7 @@ class Block(nn.Module):
                 self.attn_norm.eps,
                 [lin.qbytes for lin in lins],  # type: ignore[union-attr]
                 [lin.scales for lin in lins],  # type: ignore[union-attr]
-                [_AVX2_OPS[lin.op] for lin in lins],  # type: ignore[union-attr]
+                [AVX2_OPS[lin.op] for lin in lins],  # type: ignore[union-attr]
                 [none if lin.bias is None else lin.bias.detach().contiguous() for lin in lins],  # type: ignore[union-attr]
                 self.attn.n_heads,
                 self.attn.n_kv,

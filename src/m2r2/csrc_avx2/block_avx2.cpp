@@ -115,7 +115,7 @@ void block_rows(const BlockWeights& w, const uint16_t* xp, int64_t T, torch::Ten
 
   // RoPE of the q and k heads as bfloat16 ops: x * cos and roll(x, D/2) * sin each rounded, then their sum
   const bool k16 = k_cache.scalar_type() == at::kBFloat16;
-  const int64_t ks[3] = {k_cache.stride(1), k_cache.stride(2), 0}, vs[2] = {v_cache.stride(1), v_cache.stride(2)};
+  const int64_t ks[2] = {k_cache.stride(1), k_cache.stride(2)}, vs[2] = {v_cache.stride(1), v_cache.stride(2)};
   char* kb = static_cast<char*>(k_cache.data_ptr());
   char* vb = static_cast<char*>(v_cache.data_ptr());
   const int64_t el = k_cache.element_size();
@@ -163,9 +163,6 @@ void block_rows(const BlockWeights& w, const uint16_t* xp, int64_t T, torch::Ten
   add_bf16(a.data(), op, op, T * d);
 }
 
-
-}  // namespace
-
 void check_cache(const torch::Tensor& k_cache, const torch::Tensor& v_cache, int64_t KVH, int64_t D) {
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(0) == 1 && k_cache.size(1) == KVH && k_cache.size(3) == D &&
                   k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type() &&
@@ -173,6 +170,8 @@ void check_cache(const torch::Tensor& k_cache, const torch::Tensor& v_cache, int
                   k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
               "k_cache, v_cache: [1, KVH, capacity, D], bfloat16 or float32, unit stride in D");
 }
+
+}  // namespace
 
 // x [T, d] bfloat16 contiguous (the rows' residual stream); k_cache, v_cache [1, KVH, capacity, D] (bfloat16 or
 // float32, unit stride in D): this block's cache, written at slots pos..pos+T-1; mask [T, S] bool contiguous over
@@ -197,7 +196,6 @@ torch::Tensor block_forward(const BlockWeights& w, torch::Tensor x, torch::Tenso
              reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
   return out;
 }
-
 
 // One greedy draft level of a seeded fast stream whose one fast layer is a full (merged) block: node i is seeded
 // by its parent's fast state fused with its token's embedding (`fuse`: [h | e] -> d), runs the block at RoPE

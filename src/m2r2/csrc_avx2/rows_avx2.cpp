@@ -115,7 +115,7 @@ inline __m256 load_row8(const at::BFloat16* p) { return load8(p, 8); }
 template <typename KT>
 void attend_row(const float* q, int64_t qstride, const KT* kb, int64_t ks, const KT* vb, int64_t vs, const bool* m,
                 int64_t S, int64_t G, int64_t D, float sc, float* out, std::vector<int32_t>& keys,
-                std::vector<float>& e, std::vector<float>& kf) {
+                std::vector<float>& e, std::vector<float>& kf, std::vector<float>& tots) {
   keys.resize(S);
   int64_t n = 0;
   for (int64_t s = 0; s < S; ++s)
@@ -143,7 +143,7 @@ void attend_row(const float* q, int64_t qstride, const KT* kb, int64_t ks, const
       for (int64_t j = 0; j < nb; ++j) e[g * (n + 8) + i0 + j] = hsum(acc[j]) * sc;
     }
   }
-  std::vector<float> tots(G);
+  tots.resize(G);
   for (int64_t g = 0; g < G; ++g) {
     float* eg = e.data() + g * (n + 8);
     float mx = -INFINITY;
@@ -187,11 +187,11 @@ void run_rows(const float* qp, const KT* kp, const KT* vp, const bool* mp, float
   const int64_t G = H / KVH;
   at::parallel_for(0, B * KVH * T, 1, [&](int64_t i0, int64_t i1) {
     thread_local std::vector<int32_t> keys;
-    thread_local std::vector<float> e, kf;
+    thread_local std::vector<float> e, kf, tots;
     for (int64_t item = i0; item < i1; ++item) {
       const int64_t b = item / (KVH * T), h = item / T % KVH, t = item % T;
       attend_row(qp + ((b * H + h * G) * T + t) * D, T * D, kp + b * kv[0] + h * kv[1], kv[2], vp + b * kv[3] + h * kv[4],
-                 kv[5], mp + b * mb + t * S, S, G, D, sc, op + ((b * T + t) * H + h * G) * D, keys, e, kf);
+                 kv[5], mp + b * mb + t * S, S, G, D, sc, op + ((b * T + t) * H + h * G) * D, keys, e, kf, tots);
     }
   });
 }

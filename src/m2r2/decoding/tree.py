@@ -214,40 +214,47 @@ class SeededDrafter:
         self.seeds: dict[int, Tensor] = {-1: state[:d]}  # node -> the fast state its children start from
         self.kv_rows: list[int] = []  # tree node of each fast K/V row so far (in the cache's free slots)
 
-    def _level(self, tree: Tree, frontier: list[int]) -> Tensor:
+    def _level(
+        self, tree: Tree, frontier: list[int], k: int | None = None
+    ) -> tuple[Tensor, tuple[Tensor, Tensor] | None]:
+        """One fast step over a level's open nodes: their final fast states and, given ``k`` (greedy), their
+        ``k`` best draft tokens and probabilities where one C++ call ran the whole level (else None)."""
         dev = self.fast.base.device
         rows = self.kv_rows + frontier
         vis = tree.ancestors(rows)[len(self.kv_rows) :]  # new rows over old + new fast keys
-        positions = torch.tensor([self.verified + tree.depths[r] for r in frontier], device=dev)
-        tokens = torch.tensor([[tree.tokens[r] for r in frontier]], device=dev)
-        seeds = torch.stack([self.seeds[tree.parents[r]] for r in frontier])[None]
+        positions = [self.verified + tree.depths[r] for r in frontier]
+        tokens = [tree.tokens[r] for r in frontier]
+        seeds = torch.stack([self.seeds[tree.parents[r]] for r in frontier])
         drafted = len(self.kv_rows)
-        taps = None if self.tap_feats is None else self.tap_feats.expand(1, len(frontier), *self.tap_feats.shape)
-        states = self.fast.step(seeds, tokens, positions, self.cache, self.verified, drafted, vis.to(dev), taps)
+        done = None
+        if k is not None and not self.taps:
+            done = self.fast.draft_top_fused(seeds, tokens, positions, self.cache, self.verified, drafted, vis, k)
+        if done is not None:
+            f, ids, probs = done
+            top: tuple[Tensor, Tensor] | None = (ids, probs)
+        else:
+            taps = None if self.tap_feats is None else self.tap_feats.expand(1, len(frontier), *self.tap_feats.shape)
+            states = self.fast.step(
+                seeds[None],
+                torch.tensor([tokens], device=dev),
+                torch.tensor(positions, device=dev),
+                self.cache,
+                self.verified,
+                drafted,
+                vis.to(dev),
+                taps,
+            )
+            f, top = states[-1][0], None
         self.kv_rows = rows
-        f = states[-1][0]
         self.seeds.update(zip(frontier, f, strict=True))
-        return f
+        return f, top
 
     def top(self, tree: Tree, frontier: list[int], k: int) -> tuple[Tensor, Tensor]:
-        rows = self.kv_rows + frontier
-        if not self.taps:  # one C++ call for the whole level where the stream allows it
-            vis = tree.ancestors(rows)[len(self.kv_rows) :]
-            seeds = torch.stack([self.seeds[tree.parents[r]] for r in frontier])
-            positions = [self.verified + tree.depths[r] for r in frontier]
-            tokens = [tree.tokens[r] for r in frontier]
-            done = self.fast.draft_top_fused(
-                seeds, tokens, positions, self.cache, self.verified, len(self.kv_rows), vis, k
-            )
-            if done is not None:
-                states, ids, probs = done
-                self.kv_rows = rows
-                self.seeds.update(zip(frontier, states, strict=True))
-                return ids, probs
-        return self.fast.draft_top(self._level(tree, frontier), k)
+        f, top = self._level(tree, frontier, k)
+        return top if top is not None else self.fast.draft_top(f, k)
 
     def logits(self, tree: Tree, frontier: list[int]) -> Tensor:
-        return self.fast.draft_logits(self._level(tree, frontier))
+        return self.fast.draft_logits(self._level(tree, frontier)[0])
 
 
 class TreeSpeculative:

@@ -33,7 +33,7 @@ from m2r2 import amx
 from m2r2.cache import KVCache
 from m2r2.errors import SettingsError
 from m2r2.kernels import dense_weight, linear_like, widen_logits
-from m2r2.model import Block, Transformer, attend
+from m2r2.model import AVX2_OPS, Block, Transformer, attend
 from m2r2.multirate.adapters import LayerAdapters
 from m2r2.multirate.arla import ARLA
 from m2r2.multirate.fast import merged_block
@@ -430,16 +430,13 @@ class SeededFastStream(DraftHead, nn.Module):
             and self.cfg.layers[0] not in self.cfg.attention_only
             and self.gate(0) is None
             and (block := self.merged[0].fused()) is not None
-            and all(getattr(m, "op", None) in ("q4_linear_avx2", "q8_linear_avx2") and m.bias is None for m in parts)
+            and all(getattr(m, "op", None) in AVX2_OPS and m.bias is None for m in parts)
             and self.base.norm.weight.dtype == torch.bfloat16
             and self.base.embed.weight.dtype == torch.bfloat16
         ):
             none = torch.empty(0)
             fuse, head = (
-                ext.make_linear(
-                    m.qbytes, m.scales, 4 if m.op.startswith("q4") else 8, none, m.in_features, m.out_features
-                )
-                for m in parts
+                ext.make_linear(m.qbytes, m.scales, AVX2_OPS[m.op], none, m.in_features, m.out_features) for m in parts
             )
             level = (block, fuse, head)
         self.__dict__["_fused_level"] = (key, level)
