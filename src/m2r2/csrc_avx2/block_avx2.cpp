@@ -282,10 +282,10 @@ std::vector<torch::Tensor> draft_level(const BlockWeights& w, const Linear& fuse
 }
 
 void bind_block(pybind11::module& m) {
-  pybind11::class_<BlockWeights>(m, "BlockWeights");
+  pybind11::class_<BlockWeights>(m, "BlockWeights", pybind11::module_local());  // local: two builds can load side by side
   m.def("make_block", &make_block, "a decoder block's weights for block_forward");
   m.def("block_forward", &block_forward, "one decoder block over a few rows (the per-op path's bits)");
-  pybind11::class_<Linear>(m, "PackedLinearWeights");
+  pybind11::class_<Linear>(m, "PackedLinearWeights", pybind11::module_local());
   m.def("make_linear", &make_linear, "a packed linear layer's weights for draft_level");
   m.def("draft_level", &draft_level, "one greedy draft level of a one-layer seeded fast stream");
 }

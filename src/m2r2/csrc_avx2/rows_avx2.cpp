@@ -125,35 +125,47 @@ void attend_row(const float* q, int64_t qstride, const KT* kb, int64_t ks, const
     return;
   }
   e.resize(G * (n + 8));
-  kf.resize(4 * D);
-  // scores four keys at a time (four independent chains of multiply-adds; each key's own in D order),
-  // each key widened to float32 once for all G query vectors
-  for (int64_t i0 = 0; i0 < n; i0 += 4) {
-    const int64_t nb = std::min<int64_t>(4, n - i0);
-    for (int64_t j = 0; j < 4; ++j) {
+  kf.resize(8 * D);
+  // scores eight keys at a time (eight independent chains of multiply-adds; each key's own in D order),
+  // each key widened to float32 once for all G query vectors; the eight sums reduced together in hsum's
+  // order (same bits, a third of the instructions)
+  for (int64_t i0 = 0; i0 < n; i0 += 8) {
+    const int64_t nb = std::min<int64_t>(8, n - i0);
+    for (int64_t j = 0; j < 8; ++j) {
       const KT* k = kb + keys[i0 + std::min(j, nb - 1)] * ks;  // a short block repeats its last key
       for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(kf.data() + j * D + d, load_row8(k + d));
     }
     for (int64_t g = 0; g < G; ++g) {
-      __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+      __m256 acc[8];
+      for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
       for (int64_t d = 0; d < D; d += 8) {
         const __m256 qd = _mm256_loadu_ps(q + g * qstride + d);
-        for (int j = 0; j < 4; ++j) acc[j] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kf.data() + j * D + d), acc[j]);
+        for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kf.data() + j * D + d), acc[j]);
       }
-      for (int64_t j = 0; j < nb; ++j) e[g * (n + 8) + i0 + j] = hsum(acc[j]) * sc;
+      // e has 8 spare slots past n: a short block's extra scores land there and are overwritten below
+      _mm256_storeu_ps(e.data() + g * (n + 8) + i0, _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(sc)));
     }
   }
   tots.resize(G);
   for (int64_t g = 0; g < G; ++g) {
     float* eg = e.data() + g * (n + 8);
-    float mx = -INFINITY;
-    for (int64_t i = 0; i < n; ++i) mx = std::max(mx, eg[i]);
+    __m256 mx8 = _mm256_set1_ps(-INFINITY);  // the maximum is the same whatever the order
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) mx8 = _mm256_max_ps(mx8, _mm256_loadu_ps(eg + i));
+    float mx = hmax(mx8);
+    for (; i < n; ++i) mx = std::max(mx, eg[i]);
     for (int64_t i = n; i < n + 8; ++i) eg[i] = mx;  // padding: the last block's spare lanes
     for (int64_t i = 0; i < n; i += 8)
       _mm256_storeu_ps(eg + i, exp8(_mm256_sub_ps(_mm256_loadu_ps(eg + i), _mm256_set1_ps(mx))));
-    float tot = 0.0f;
-    for (int64_t i = 0; i < n; ++i) tot += eg[i];
-    tots[g] = tot;
+  }
+  // each vector's sum of exponentials key by key, in cache order; the G sums advance side by side
+  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+    const int gn = static_cast<int>(std::min<int64_t>(4, G - g0));
+    float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const float* eg = e.data() + g0 * (n + 8);
+    for (int64_t i = 0; i < n; ++i)
+      for (int j = 0; j < gn; ++j) t[j] += eg[j * (n + 8) + i];
+    for (int j = 0; j < gn; ++j) tots[g0 + j] = t[j];
   }
   // weighted values: each value chunk widened once for up to three query vectors (each output lane still
   // adds its keys' terms in cache order: the same bits as one query vector at a time)
