@@ -131,24 +131,6 @@ def test_cost_model_declines_trees_that_do_not_pay_and_takes_them_when_verificat
     assert dear.stats["verify_rows_per_pass"] == 1.0
 
 
-def test_a_level_widens_only_under_nodes_whose_children_could_pay_for_their_rows():
-    """The frontier keeps its best node and adds the next ones while their calibrated path probability
-    covers an extra draft row plus a verify row; without measured costs it keeps ``width`` nodes. The
-    trees it grows still decode exactly as plain greedy decoding."""
-    model = tiny_model(12)
-    fast = seeded_stream(model, 1, 0.0, 12, fold=False)
-    tree = Tree([1, 2, 3, 4], [-1, 0, 0, 0], [0, 1, 1, 1], [1.0, 0.6, 0.3, 0.05])
-    # an extra row costs 0.2 of a step and drafting a second open node 0.05 more: 0.3 pays, 0.05 does not
-    costs = TreeCosts(draft=[0.1, 0.15, 0.2, 0.25], verify=[1.0, 1.2, 1.4, 1.6, 1.8, 2.0, 2.2, 2.4, 2.6])
-    wide = TreeSpeculative("m2r2", model, fast, [], None, 8, 5, 3, 3, costs=costs)
-    assert wide._frontier(tree, [1, 2, 3], calib=1.0) == [1, 2]
-    assert wide._frontier(tree, [1, 2, 3], calib=0.5) == [1]  # 0.15 < 0.25 once calibrated
-    assert TreeSpeculative("m2r2", model, fast, [], None, 8, 5, 3, 3)._frontier(tree, [1, 2, 3], 1.0) == [1, 2, 3]
-    prompt, gen = [5, 6, 7], GenerationConfig(max_new_tokens=40)
-    ref = Autoregressive(model, []).generate(prompt, gen).tokens
-    assert wide.generate(prompt, gen).tokens == ref
-
-
 def test_drafting_is_judged_by_the_wall_clock_not_only_by_the_modeled_costs():
     """A drafting round that gains one token but takes three plain rounds' time stops drafting, although
     the modeled costs (free draft levels, flat verification) say it pays; one gaining three keeps on.

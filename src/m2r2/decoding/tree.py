@@ -88,7 +88,6 @@ class Tree:
     probs: list[Tensor | None] = field(default_factory=list)  # sampling: the draft distribution of each node
     # prompt lookup's chain under the root, by depth: node -> its calibrated path probability as a copy
     copy_probs: dict[int, float] = field(default_factory=dict)
-    draft_s: float = 0.0  # measured seconds of the draft levels that grew it (0 without measured costs)
 
     def value(self, r: int, calib: float) -> float:
         """Chance that node ``r`` is accepted: its calibrated draft path probability, or as a copy."""
@@ -328,8 +327,6 @@ class TreeSpeculative:
         frontier = [0]
         for _ in range(depth_cap):
             n = len(frontier)
-            if self.costs is not None:
-                tree.draft_s += self.costs.draft[min(n, len(self.costs.draft)) - 1]
             if greedy:
                 top_ids, top_p = (t.expand(n, -1) for t in self.drafter.top(tree, frontier, branch))
             else:
@@ -351,31 +348,12 @@ class TreeSpeculative:
                 tree.scores.append(score)
                 tree.probs.append(None if greedy else q[i])
                 new.append(len(tree.tokens) - 1)
-            frontier = self._frontier(tree, new, calib) if greedy else new[:width]
+            frontier = new[:width]
             if not frontier or len(tree.tokens) - 1 >= self.max_nodes * 2:
                 break
-            if greedy and self.costs is not None and calib * tree.scores[frontier[0]] < self._level_cost(len(frontier)):
+            if greedy and self.costs is not None and calib * tree.scores[frontier[0]] < self._level_cost():
                 break
         return tree
-
-    def _frontier(self, tree: Tree, new: list[int], calib: float) -> list[int]:
-        """The nodes the next level drafts under, from a level's new nodes (best first): the best, then
-        each next one up to ``width`` while its calibrated path probability pays for its extra draft row
-        and a verify row, in one-token steps: a child of a node below that is worth less than a row and
-        would not be verified (:meth:`choose`), so drafting under it only costs. Where the fast stream is
-        sure the tree stays a chain at a chain's drafting cost; where it hesitates it widens. Without
-        measured costs: ``width`` nodes."""
-        c = self.costs
-        if c is None:
-            return new[: self.width]
-        extra_row = (c.verify[1] - c.verify[0]) / c.verify[0] if len(c.verify) > 1 else 0.0
-        frontier = new[:1]
-        for r in new[1 : self.width]:
-            k = len(frontier)
-            if k >= len(c.draft) or calib * tree.scores[r] < (c.draft[k] - c.draft[k - 1]) / c.verify[0] + extra_row:
-                break
-            frontier.append(r)
-        return frontier
 
     def choose(self, tree: Tree, room: int, calib: float, draft_steps: int) -> list[int]:
         """Tree rows to verify: the root plus the most probable nodes, as many as maximise the expected
@@ -387,7 +365,7 @@ class TreeSpeculative:
             return [0, *sorted(order)]
         c = self.costs
         # drafting already spent (it scales every rate); a round of copies alone spent nothing
-        draft_s = (c.start + tree.draft_s) if draft_steps else 0.0
+        draft_s = (c.start + draft_steps * c.draft[min(self.width, len(c.draft)) - 1]) if draft_steps else 0.0
         best_n, best_rate, gain = 0, 1.0 / (draft_s + c.verify[0]), 0.0
         for n, r in enumerate(order, start=1):
             gain += tree.value(r, calib)
@@ -628,12 +606,12 @@ class TreeSpeculative:
             state.context.extend([tok])
         state.h_last = h
 
-    def _level_cost(self, open_nodes: int) -> float:
-        """One more draft level over ``open_nodes`` nodes plus one more verify row, in one-token steps."""
+    def _level_cost(self) -> float:
+        """One more draft level plus one more verify row, in one-token steps."""
         c = self.costs
         assert c is not None
         extra_row = (c.verify[1] - c.verify[0]) if len(c.verify) > 1 else 0.0
-        return (c.draft[min(open_nodes, len(c.draft)) - 1] + extra_row) / c.verify[0]
+        return (c.draft[min(self.width, len(c.draft)) - 1] + extra_row) / c.verify[0]
 
     def _worth_drafting(self, state: TreeState) -> bool:
         """Draft when recent rounds gained more tokens than drafting and verifying them cost (in steps);
