@@ -1,13 +1,14 @@
 """Two builds of the q4-avx2 kernel side by side in one process, on the same weights: the default one and
-one compiled with a variant's macro (default ``M2R2_Q4_FIRST_LINE=1``: each group's 16-bit sums start
-with its first line's products, 7 adds a row instead of 8). Separate processes are no fair judge here:
-timings of one build moved by 10-20% between processes (where the weights land in memory), more than
-such a change.
+one compiled with a variant's macro (``--define``; e.g. ``M2R2_PREFETCH=8192``). The eighteenth round's
+``M2R2_Q4_FIRST_LINE=1`` (each group's 16-bit sums started by its first line's products, 7 adds a row
+instead of 8; not kept) exists in the kernel at commit 68ff939, where its ``.out.txt`` runs were made.
+Separate processes are no fair judge here: timings of one build moved by 10-20% between processes (where
+the weights land in memory), more than such a change.
 
 Times ``q4_linear_avx2`` on a 576 x 262,144 4-bit weight (92 MB with its scales, about what a SmolLM2
 step reads) for 1-8 rows, the two builds alternating call by call, and checks that both give the same bits.
 
-    python experiments/q4_variants.py [--threads N] [--define MACRO=1] [--repeats 21]
+    python experiments/q4_variants.py --define MACRO=VALUE [--threads N] [--repeats 21]
 """
 
 import argparse
@@ -21,7 +22,7 @@ from m2r2.machine import cpu_name
 
 p = argparse.ArgumentParser()
 p.add_argument("--threads", type=int, default=1)
-p.add_argument("--define", default="M2R2_Q4_FIRST_LINE=1")
+p.add_argument("--define", required=True, help="the variant's macro, MACRO=VALUE")
 p.add_argument("--repeats", type=int, default=21)
 args = p.parse_args()
 torch.set_num_threads(args.threads)

@@ -80,20 +80,6 @@ inline __m256i broadcast4(const int8_t* p) {
   return _mm256_castps_si256(_mm256_broadcast_ss(reinterpret_cast<const float*>(p)));
 }
 
-#if M2R2_Q4_FIRST_LINE
-// One 32-byte line of 4-bit weights (8 columns x 8 inputs) times R rows' 8 inputs there (x at the first
-// row, row stride K): per column, 16-bit sums of the products, two inputs a lane.
-template <int R>
-inline void nibble_products(const uint8_t* line, const int8_t* x, int64_t K, __m256i* p) {
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
-  const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line));
-  const __m256i lo = _mm256_and_si256(bytes, low4);
-  const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
-  for (int r = 0; r < R; ++r)
-    p[r] = _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4(x + r * K)), _mm256_maddubs_epi16(hi, broadcast4(x + r * K + 4)));
-}
-#endif
-
 // One block of 8 columns for R rows (xq, step, qsum at the first row; row strides K and G): every
 // group's integer sums per row, then its float32 terms, group by group.
 template <int BITS, int R>
@@ -111,19 +97,6 @@ inline void block_rows(const uint8_t* qb, const at::Half* sb, const int8_t* xq, 
       _mm_prefetch(reinterpret_cast<const char*>(qg + PREFETCH + line), _MM_HINT_T0);
     __m256i sums[R];
     if constexpr (BITS == 4) {
-#if M2R2_Q4_FIRST_LINE
-      // A variant, not the default: the sums start with a group's first line (7 adds a row, not 8; same
-      // bits). 2-6% faster passes on one Zen 3 core, but 3-row passes 17% slower on two
-      // (python experiments/q4_variants.py --threads 1|2, its .out.txt)
-      __m256i s16[R];
-      nibble_products<R>(qg, xq + g * 32, K, s16);
-#pragma GCC unroll 1
-      for (int h = 1; h < 4; ++h) {
-        __m256i p[R];
-        nibble_products<R>(qg + 32 * h, xq + g * 32 + 8 * h, K, p);
-        for (int r = 0; r < R; ++r) s16[r] = _mm256_add_epi16(s16[r], p[r]);
-      }
-#else
       // 16-bit lanes take 16 products of at most 15 * 127 each: no overflow before the widening add
       __m256i s16[R];
       for (int r = 0; r < R; ++r) s16[r] = _mm256_setzero_si256();
@@ -141,7 +114,6 @@ inline void block_rows(const uint8_t* qb, const at::Half* sb, const int8_t* xq, 
           s16[r] = _mm256_add_epi16(s16[r], _mm256_add_epi16(pa, pb));
         }
       }
-#endif
       for (int r = 0; r < R; ++r) sums[r] = _mm256_madd_epi16(s16[r], ones);
     } else {
       // signed x signed: |w| times x with w's sign (two products of 127 * 127 fit a 16-bit lane)
