@@ -1,12 +1,14 @@
 // How fast the q4-avx2 kernel's inner loop can go on this core, and what each part of it costs: the loop
 // of csrc_avx2/q4_avx2.cpp (block_rows, 4-bit) rebuilt without torch, on random weights, one thread.
-//   hot:  16 blocks of 8 columns x 576 inputs (36 KB of weights, in L2), 200 x 30 calls, best of 30
-//   cold: 32,768 blocks (92 MB with scales, beyond L3), best of 9 sweeps, weights prefetched 4 KB ahead
-// Variants: the kernel's loop ("default"); its sums started by a group's first line ("first line", 7 adds
-// a row instead of 8); no float epilogue (integer sums only: the byte products' ceiling with the 16-bit
-// adds); the products and adds alone, without the per-group widening.
+//   hot:  16 blocks of 8 columns x 576 inputs (36 KB of weights, in L2), 200 calls, best of ROUNDS
+//   cold: 32,768 blocks (92 MB with scales, beyond L3), best of ROUNDS / 3 sweeps, prefetched 4 KB ahead
+// Every variant runs once per round (this VM's speed drifts for seconds at a time). Variants: the kernel's
+// loop ("default"); its sums started by a group's first line ("first line", 7 adds a row instead of 8);
+// each group's 16-bit pair sums widened by shifts instead of a multiply ("shift widen": the multiply port
+// freed, same sums); two adjacent blocks at once ("pair": 16 columns, each broadcast input serving twice
+// the columns, same bits); no float epilogue (integer sums only); the products and adds alone.
 //
-//   g++ -O3 -mavx2 -mfma -mf16c -o /tmp/q4_micro experiments/q4_micro.cpp && /tmp/q4_micro
+//   g++ -O3 -mavx2 -mfma -mf16c -o /tmp/q4_micro experiments/q4_micro.cpp && /tmp/q4_micro [ROUNDS]
 #include <immintrin.h>
 
 #include <algorithm>
@@ -21,7 +23,12 @@ constexpr int K = 576, G = K / 32;
 
 inline __m256i b4(const int8_t* p) { return _mm256_castps_si256(_mm256_broadcast_ss(reinterpret_cast<const float*>(p))); }
 
-enum Variant { DEFAULT, FIRST_LINE, NO_EPILOGUE, PRODUCTS_ONLY };
+enum Variant { DEFAULT, FIRST_LINE, NO_EPILOGUE, PRODUCTS_ONLY, SHIFT_WIDEN };
+
+// a 16-bit pair's sum as a 32-bit lane without a multiply: (s << 16 >> 16) + (s >> 16), arithmetic shifts
+inline __m256i widen_pairs(__m256i s) {
+  return _mm256_add_epi32(_mm256_srai_epi32(_mm256_slli_epi32(s, 16), 16), _mm256_srai_epi32(s, 16));
+}
 
 template <int R, Variant V, int PF>
 __attribute__((noinline)) void block(const uint8_t* qb, const uint16_t* sb, const int8_t* xq, const float* step,
@@ -47,12 +54,13 @@ __attribute__((noinline)) void block(const uint8_t* qb, const uint16_t* sb, cons
         s16[r] = (V == FIRST_LINE && h == 0) ? p : _mm256_add_epi16(s16[r], p);
       }
     }
-    if (V == DEFAULT || V == FIRST_LINE) {
+    if (V == DEFAULT || V == FIRST_LINE || V == SHIFT_WIDEN) {
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + g * 16)));
       const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + g * 16 + 8)));
       for (int r = 0; r < R; ++r) {
         const __m256 scaled = _mm256_mul_ps(d, _mm256_set1_ps(step[r * G + g]));
-        out[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s16[r], ones)), scaled, out[r]);
+        const __m256i wide = V == SHIFT_WIDEN ? widen_pairs(s16[r]) : _mm256_madd_epi16(s16[r], ones);
+        out[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(wide), scaled, out[r]);
         out[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(qsum[r * G + g]), out[r]);
       }
     } else if (V == NO_EPILOGUE) {
@@ -62,45 +70,115 @@ __attribute__((noinline)) void block(const uint8_t* qb, const uint16_t* sb, cons
     }
   }
   for (int r = 0; r < R; ++r)
-    _mm256_storeu_ps(y + r * 8, V == DEFAULT || V == FIRST_LINE ? out[r] : _mm256_cvtepi32_ps(acc[r]));
+    _mm256_storeu_ps(y + r * 8, V == DEFAULT || V == FIRST_LINE || V == SHIFT_WIDEN ? out[r] : _mm256_cvtepi32_ps(acc[r]));
+}
+
+
+// "pair": two adjacent blocks (16 columns) at once, each column's sums and float terms in the default
+// order (same bits): every broadcast input and every row's loop serves twice the columns.
+template <int R, int PF>
+__attribute__((noinline)) void block_pair(const uint8_t* qb, const uint16_t* sb, const int8_t* xq, const float* step,
+                                          const float* qsum, float* y) {
+  const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0F);
+  const uint8_t* qb2 = qb + G * 128;
+  const uint16_t* sb2 = sb + G * 16;
+  __m256 out[R][2];
+  for (int r = 0; r < R; ++r) out[r][0] = out[r][1] = _mm256_setzero_ps();
+  for (int g = 0; g < G; ++g) {
+    const uint8_t *qg = qb + g * 128, *qg2 = qb2 + g * 128;
+    if (PF)
+      for (int line = 0; line < 128; line += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(qg + PF + line), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(qg2 + PF + line), _MM_HINT_T0);
+      }
+    __m256i s16[R][2];
+    for (int r = 0; r < R; ++r) s16[r][0] = s16[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 1
+    for (int h = 0; h < 4; ++h) {
+      const __m256i b0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + 32 * h));
+      const __m256i b1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg2 + 32 * h));
+      const __m256i lo0 = _mm256_and_si256(b0, low4), hi0 = _mm256_and_si256(_mm256_srli_epi16(b0, 4), low4);
+      const __m256i lo1 = _mm256_and_si256(b1, low4), hi1 = _mm256_and_si256(_mm256_srli_epi16(b1, 4), low4);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xr = xq + r * K + g * 32 + 8 * h;
+        const __m256i xa = b4(xr), xb = b4(xr + 4);
+        s16[r][0] = _mm256_add_epi16(s16[r][0], _mm256_add_epi16(_mm256_maddubs_epi16(lo0, xa), _mm256_maddubs_epi16(hi0, xb)));
+        s16[r][1] = _mm256_add_epi16(s16[r][1], _mm256_add_epi16(_mm256_maddubs_epi16(lo1, xa), _mm256_maddubs_epi16(hi1, xb)));
+      }
+    }
+    for (int c = 0; c < 2; ++c) {
+      const uint16_t* s = (c ? sb2 : sb) + g * 16;
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+      const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 8)));
+      for (int r = 0; r < R; ++r) {
+        const __m256 scaled = _mm256_mul_ps(d, _mm256_set1_ps(step[r * G + g]));
+        out[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s16[r][c], ones)), scaled, out[r][c]);
+        out[r][c] = _mm256_fmadd_ps(mn, _mm256_set1_ps(qsum[r * G + g]), out[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 2; ++c) _mm256_storeu_ps(y + r * 16 + 8 * c, out[r][c]);
 }
 
 using Fn = void (*)(const uint8_t*, const uint16_t*, const int8_t*, const float*, const float*, float*);
 
-double run(Fn f, int R, long blocks, int calls, int reps) {
+double run(Fn f, int R, long blocks, int calls, int reps, int per_call = 1) {
   std::vector<uint8_t> qb(blocks * G * 128);
   for (size_t i = 0; i < qb.size(); ++i) qb[i] = static_cast<uint8_t>(rand());
   std::vector<uint16_t> sb(blocks * G * 16, 0x2000);
   std::vector<int8_t> xq(8 * K);
   for (auto& b : xq) b = static_cast<int8_t>(rand() % 255 - 127);
-  std::vector<float> step(8 * G, 0.01f), qsum(8 * G, 1.0f), y(64);
+  std::vector<float> step(8 * G, 0.01f), qsum(8 * G, 1.0f), y(128);
   double best = 1e9;
   for (int rep = 0; rep < reps; ++rep) {
     const auto t = clk::now();
     for (int c = 0; c < calls; ++c)
-      for (long b = 0; b < blocks; ++b) f(qb.data() + b * G * 128, sb.data() + b * G * 16, xq.data(), step.data(), qsum.data(), y.data());
+      for (long b = 0; b < blocks; b += per_call) f(qb.data() + b * G * 128, sb.data() + b * G * 16, xq.data(), step.data(), qsum.data(), y.data());
     best = std::min(best, std::chrono::duration<double>(clk::now() - t).count());
   }
   return best;
 }
 
+struct Entry {
+  const char* name;
+  int rows, per_call;
+  Fn hot, cold;
+  double best_hot = 1e9, best_cold = 1e9;
+};
+
 template <int R, Variant V>
-void row(const char* name) {
-  const double hot = run(block<R, V, 0>, R, 16, 200, 30), cold = run(block<R, V, 4096>, R, 32768, 1, 9);
-  const double hot_macs = 200.0 * 16 * 8 * K * R, cold_macs = 32768.0 * 8 * K * R;
-  printf("| %s | %d | %.0f | %.2f | %.0f |\n", name, R, hot_macs / hot / 1e9, cold * 1e3, cold_macs / cold / 1e9);
+Entry variant(const char* name) {
+  return {name, R, 1, block<R, V, 0>, block<R, V, 4096>};
+}
+template <int R>
+Entry pair(const char* name) {
+  return {name, R, 2, block_pair<R, 0>, block_pair<R, 4096>};
 }
 
-int main() {
+// Every variant once per round, best of many rounds: this VM's speed drifts for seconds at a time, so
+// variants timed one after another differ by more than the loops do; interleaved, they see the same drift.
+int main(int argc, char** argv) {
+  const int rounds = argc > 1 ? atoi(argv[1]) : 30;
+  std::vector<Entry> all = {
+      variant<1, DEFAULT>("default"),        variant<2, DEFAULT>("default"),
+      variant<3, DEFAULT>("default"),        variant<4, DEFAULT>("default"),
+      variant<1, FIRST_LINE>("first line"),  variant<3, FIRST_LINE>("first line"),
+      variant<1, SHIFT_WIDEN>("shift widen"), variant<2, SHIFT_WIDEN>("shift widen"),
+      variant<3, SHIFT_WIDEN>("shift widen"), variant<4, SHIFT_WIDEN>("shift widen"),
+      pair<1>("pair"),                       pair<2>("pair"),
+      pair<3>("pair"),                       pair<4>("pair"),
+      variant<4, NO_EPILOGUE>("no float epilogue"), variant<4, PRODUCTS_ONLY>("products and 16-bit adds only"),
+  };
+  for (int rep = 0; rep < rounds; ++rep)
+    for (auto& e : all) {
+      e.best_hot = std::min(e.best_hot, run(e.hot, e.rows, 16, 200, 1, e.per_call));
+      if (rep % 3 == 0) e.best_cold = std::min(e.best_cold, run(e.cold, e.rows, 32768, 1, 1, e.per_call));
+    }
   printf("| loop | rows | hot GMAC/s | cold ms | cold GMAC/s |\n|---|--:|--:|--:|--:|\n");
-  row<1, DEFAULT>("default");
-  row<2, DEFAULT>("default");
-  row<3, DEFAULT>("default");
-  row<4, DEFAULT>("default");
-  row<6, DEFAULT>("default");
-  row<1, FIRST_LINE>("first line");
-  row<3, FIRST_LINE>("first line");
-  row<4, FIRST_LINE>("first line");
-  row<4, NO_EPILOGUE>("no float epilogue");
-  row<4, PRODUCTS_ONLY>("products and 16-bit adds only");
+  for (auto& e : all) {
+    const double hot_macs = 200.0 * 16 * 8 * K * e.rows, cold_macs = 32768.0 * 8 * K * e.rows;
+    printf("| %s | %d | %.0f | %.2f | %.0f |\n", e.name, e.rows, hot_macs / e.best_hot / 1e9, e.best_cold * 1e3,
+           cold_macs / e.best_cold / 1e9);
+  }
 }

@@ -1,9 +1,9 @@
 """Where an `m2r2` round's wall clock goes, part by part, inside real greedy generation on MT-Bench
-first turns (1 thread, after a warm-up): drafting the tree, choosing its rows, the verify pass's
+first turns (after a warm-up; 1 thread unless THREADS): drafting the tree, choosing its rows, the verify pass's
 layers, its head, accepting, compacting the cache, and the rest of the round (Python around them).
 `vanilla` is timed the same way for its one-token steps.
 
-    python experiments/round_parts.py [PROMPTS] [FIRST]
+    python experiments/round_parts.py [PROMPTS] [FIRST] [THREADS]
 """
 
 import collections
@@ -18,7 +18,8 @@ from m2r2.engine import Engine
 
 n_prompts = int(sys.argv[1]) if len(sys.argv) > 1 else 8
 first = int(sys.argv[2]) if len(sys.argv) > 2 else 0
-engine = Engine(threads=1, quiet=True)
+threads = int(sys.argv[3]) if len(sys.argv) > 3 else 1
+engine = Engine(threads=threads, quiet=True)
 model = engine.model
 prompts = load_dataset("mt_bench", first + n_prompts).prompts[first:]
 ids = [engine.tokenizer.encode_chat([{"role": "user", "content": p.turns[0]}]) for p in prompts]
@@ -51,7 +52,7 @@ timed(tree_mod.TreeSpeculative, "choose", "choose")
 timed(tree_mod.TreeSpeculative, "_accept", "accept")
 timed(KVCache, "keep", "keep")
 timed(tree_mod.TreeSpeculative, "round", "round")
-print(f"{engine.kernel} kernel, 1 thread, MT-Bench prompts {first + 2}..{first + n_prompts} timed")
+print(f"{engine.kernel} kernel, {threads} thread(s), MT-Bench prompts {first + 2}..{first + n_prompts} timed")
 for method in ("vanilla", "m2r2"):
     spent.clear()
     t0, tokens, passes, rows = time.perf_counter(), 0, 0, 0.0

@@ -64,6 +64,42 @@ def test_fused_block_gives_the_per_op_bits(tiny_model, monkeypatch, arch: str, s
 
 
 @needs_avx2
+@pytest.mark.parametrize("stop", [None, 2])
+def test_a_pass_s_blocks_in_one_call_give_the_per_block_bits(tiny_model, monkeypatch, stop) -> None:
+    """``stack_forward`` (every block of a pass in one C++ call) gives each block's output, the final rows
+    and the cache the bits of the blocks called one by one, for decode-style and tree passes, and keeps
+    every block's output when asked (``hidden``) or stops early (``stop``)."""
+    d = tiny_model(hidden_size=64, intermediate_size=128, vocab_size=320, layers=3)
+    model = load_model(d, torch.bfloat16, kernel="q4-avx2").model
+    assert model.fused_stack() is not None
+    ext = amx.avx2_extension()
+    calls, original = [], ext.stack_forward
+    monkeypatch.setattr(ext, "stack_forward", lambda *a: (calls.append(1), original(*a))[1])
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, 320, (1, 30), generator=g)
+    rows = torch.randint(0, 320, (1, 4), generator=g)
+    vis = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    mask = torch.cat([torch.ones(4, 30, dtype=torch.bool), vis], dim=1)
+    positions = torch.tensor([30, 31, 31, 32])
+    results = []
+    for one_call in (True, False):
+        if not one_call:
+            monkeypatch.setattr(model, "_stack_for", lambda *a: None)
+        with torch.inference_mode():
+            cache = model.new_cache(48)
+            model.run_layers(model.embed_tokens(prompt), cache, 0)
+            hidden: list[torch.Tensor] = []
+            a = model.run_layers(model.embed_tokens(rows[:, :3]), cache, 30, hidden, stop)
+            cache.length = 30
+            b = model.run_layers(model.embed_tokens(rows), cache, 30, positions=positions, mask=mask)
+        results.append((a, hidden, b, cache.k.clone(), cache.v.clone()))
+    (a1, h1, b1, k1, v1), (a2, h2, b2, k2, v2) = results
+    assert calls and len(h1) == len(h2) == (stop or 3)
+    assert torch.equal(a1, a2) and torch.equal(b1, b2) and torch.equal(k1, k2) and torch.equal(v1, v2)
+    assert all(torch.equal(x, y) for x, y in zip(h1, h2, strict=True))
+
+
+@needs_avx2
 def test_fused_block_steps_aside_where_it_does_not_apply(tiny_model) -> None:
     """Other kernels (torch's q4 here) and training (gradients) keep the per-op path."""
     d = tiny_model(hidden_size=64, intermediate_size=128, vocab_size=320)

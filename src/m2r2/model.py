@@ -509,16 +509,34 @@ class Block(nn.Module):
         a = x + self.attn.out(attend(q, keys, values, mask))
         return a + self.mlp(self.mlp_norm(a), resid=a)
 
+    def fused_key(self) -> tuple[int, ...]:
+        """What :meth:`fused`'s weights are built from (the modules and norm weights, by identity), read from
+        the module dictionaries directly: through ``nn.Module.__getattr__`` this took ~20 us a block, and a
+        pass asks every block."""
+        mods = self._modules
+        attn, mlp = mods["attn"], mods["mlp"]
+        sub_a, sub_m = attn._modules, mlp._modules  # type: ignore[union-attr]
+        return (
+            id(attn),
+            id(mlp),
+            id(sub_a["wqkv"]),
+            id(sub_a["wo"]),
+            id(sub_m.get("w13")),
+            id(sub_m.get("w2")),
+            id(mods["attn_norm"]._parameters["weight"]),  # type: ignore[union-attr]
+            id(mods["mlp_norm"]._parameters["weight"]),  # type: ignore[union-attr]
+        )
+
     def fused(self) -> object | None:
         """This block's weights for the fused C++ block (``csrc_avx2/block_avx2.cpp``: the whole block over a
         few rows in one call, the per-op path's bits), or None where it does not apply: only the AVX2 build's
         4/8-bit linears, a plain SwiGLU MLP, no q/k norms or clipping. Built once and kept, keyed by the
         modules it was built from (a merged fast layer is a shallow copy with other linears)."""
-        lins = (self.attn.wqkv, self.attn.wo, getattr(self.mlp, "w13", None), getattr(self.mlp, "w2", None))
-        key = (*map(id, lins), id(self.attn_norm.weight), id(self.mlp_norm.weight))
+        key = self.fused_key()
         kept = self.__dict__.get("_fused")
         if kept is not None and kept[0] == key:
             return kept[1]
+        lins = (self.attn.wqkv, self.attn.wo, getattr(self.mlp, "w13", None), getattr(self.mlp, "w2", None))
         weights = None
         ext = amx.avx2_extension()
         if (
@@ -647,6 +665,22 @@ class Transformer(nn.Module):
     def embed_tokens(self, tokens: Tensor) -> Tensor:
         return self.embed(tokens)
 
+    def fused_stack(self) -> object | None:
+        """Every block's fused weights as one C++ stack (``stack_forward``: a pass's blocks in one call), or
+        None where a block has none (other kernels, MoE blocks). Kept, keyed by the blocks' own keys."""
+        blocks = list(self.layers)
+        key = tuple(b.fused_key() for b in blocks)  # type: ignore[operator]
+        kept = self.__dict__.get("_stack")
+        if kept is not None and kept[0] == key:
+            return kept[1]
+        weights = [b.fused() for b in blocks]  # type: ignore[operator]
+        ext = amx.avx2_extension()
+        stack = None
+        if weights and all(w is not None for w in weights) and hasattr(ext, "make_stack"):
+            stack = ext.make_stack(weights)  # type: ignore[union-attr]
+        self.__dict__["_stack"] = (key, stack)
+        return stack
+
     def run_layers(
         self,
         x: Tensor,
@@ -688,13 +722,50 @@ class Transformer(nn.Module):
             and row_kernel(x.dtype, x.device) is None
         ):
             layer_mask = GappedMask.over(mask)  # analysed once per pass, used by every layer
-        for i, layer in enumerate(self.layers[:stop]):
-            x = layer(x, cos, sin, cache, i, pos, layer_mask)
+        n = len(self.layers) if stop is None else min(stop, len(self.layers))
+        stack = self._stack_for(x, cache, pos, layer_mask) if n > 0 else None
+        if stack is not None:  # every block in one C++ call: the per-block path's bits without its Python
+            ext = amx.avx2_extension()
+            outs = ext.stack_forward(  # type: ignore[union-attr]
+                stack,
+                x[0].contiguous(),
+                cache.k,
+                cache.v,
+                pos,
+                mask.contiguous(),
+                cos.contiguous(),
+                sin.contiguous(),
+                n,
+                hidden is not None,
+            )
             if hidden is not None:
-                hidden.append(x)
+                hidden.extend(o[None] for o in outs)
+            x = outs[-1][None]
+        else:
+            for i, layer in enumerate(self.layers[:stop]):
+                x = layer(x, cos, sin, cache, i, pos, layer_mask)
+                if hidden is not None:
+                    hidden.append(x)
         if stop is None or stop >= len(self.layers):
             cache.length = pos + t
         return x
+
+    def _stack_for(self, x: Tensor, cache: KVCache, pos: int, mask: Tensor | GappedMask) -> object | None:
+        """The fused stack where a pass can run it (what :meth:`Block.forward` asks of the fused block)."""
+        t = x.shape[1]
+        if (
+            FUSED_BLOCKS
+            and x.shape[0] == 1
+            and t <= ROW_INVARIANT_MAX_ROWS
+            and isinstance(mask, Tensor)
+            and mask.dim() == 2
+            and cache.k.shape[1] == 1
+            and pos + t <= cache.max_len
+            and x.dtype == torch.bfloat16
+            and not torch.is_grad_enabled()
+        ):
+            return self.fused_stack()
+        return None
 
     def step_rows(self, tokens: list[int], caches: list[KVCache]) -> Tensor:
         """Last hidden states ``[B, 1, d]`` (before :meth:`head`) of one new token per sequence, each

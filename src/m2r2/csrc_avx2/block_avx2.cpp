@@ -197,6 +197,40 @@ torch::Tensor block_forward(const BlockWeights& w, torch::Tensor x, torch::Tenso
   return out;
 }
 
+// A model's decoder blocks, held once (m2r2.model.Transformer keeps the object): what stack_forward runs in order.
+struct BlockStack {
+  std::vector<BlockWeights> blocks;
+};
+
+BlockStack make_stack(std::vector<BlockWeights> blocks) {
+  TORCH_CHECK(!blocks.empty(), "a stack needs at least one block");
+  const int64_t d = blocks[0].attn_norm.numel();
+  for (const auto& b : blocks) TORCH_CHECK(b.attn_norm.numel() == d, "blocks of one width");
+  return BlockStack{std::move(blocks)};
+}
+
+// Blocks 0..stop-1 of a stack over the same rows, one after another: block_forward's work for each, in one call.
+// Why: a one-token SmolLM2 step spent ~60 us of Python per block around block_forward (the checks, the module
+// call, finding the block's weights): ~1.8 ms of a ~8 ms step, during which a second thread only waits
+// (experiments/stack_overhead.py). Each block runs the same block_rows as block_forward, so the bits are
+// block_forward's (tested). k_all, v_all: the cache [layers, 1, KVH, capacity, D]; the rest as block_forward.
+// Returns the last block's output [T, d], or with keep every block's output in order.
+std::vector<torch::Tensor> stack_forward(const BlockStack& stack, torch::Tensor x, torch::Tensor k_all,
+                                         torch::Tensor v_all, int64_t pos, torch::Tensor mask, torch::Tensor cos,
+                                         torch::Tensor sin, int64_t stop, bool keep) {
+  const int64_t n = static_cast<int64_t>(stack.blocks.size());
+  TORCH_CHECK(stop >= 1 && stop <= n, "stop must be in 1..", n);
+  TORCH_CHECK(k_all.dim() == 5 && k_all.size(0) >= stop && v_all.sizes() == k_all.sizes(),
+              "k_all, v_all: [layers, 1, KVH, capacity, D]");
+  std::vector<torch::Tensor> outs;
+  torch::Tensor h = x;
+  for (int64_t i = 0; i < stop; ++i) {
+    h = block_forward(stack.blocks[i], h, k_all.select(0, i), v_all.select(0, i), pos, mask, cos, sin);
+    if (keep || i == stop - 1) outs.push_back(h);
+  }
+  return outs;
+}
+
 // One greedy draft level of a seeded fast stream whose one fast layer is a full (merged) block: node i is seeded
 // by its parent's fast state fused with its token's embedding (`fuse`: [h | e] -> d), runs the block at RoPE
 // position positions[i] over the slow cache 0..verified-1 and the fast K/V of earlier draft rows
@@ -285,6 +319,9 @@ void bind_block(pybind11::module& m) {
   pybind11::class_<BlockWeights>(m, "BlockWeights", pybind11::module_local());  // local: two builds can load side by side
   m.def("make_block", &make_block, "a decoder block's weights for block_forward");
   m.def("block_forward", &block_forward, "one decoder block over a few rows (the per-op path's bits)");
+  pybind11::class_<BlockStack>(m, "BlockStack", pybind11::module_local());
+  m.def("make_stack", &make_stack, "a model's blocks for stack_forward");
+  m.def("stack_forward", &stack_forward, "blocks 0..stop-1 over a few rows, block_forward's bits, in one call");
   pybind11::class_<Linear>(m, "PackedLinearWeights", pybind11::module_local());
   m.def("make_linear", &make_linear, "a packed linear layer's weights for draft_level");
   m.def("draft_level", &draft_level, "one greedy draft level of a one-layer seeded fast stream");
