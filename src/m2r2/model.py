@@ -699,9 +699,6 @@ class Transformer(nn.Module):
         (``[T, pos + T]``, True = attend) over the cache slots.
         """
         t = x.shape[1]
-        long_causal = positions is None and mask is None and t > ROW_INVARIANT_MAX_ROWS
-        if long_causal and self._stack_for(x, cache, pos) is not None:
-            return self._run_in_chunks(x, cache, pos, hidden, stop)
         kv_len = cache.max_len
         if positions is None:
             cos, sin = self.rope(pos, t, x.dtype)
@@ -726,8 +723,7 @@ class Transformer(nn.Module):
         ):
             layer_mask = GappedMask.over(mask)  # analysed once per pass, used by every layer
         n = len(self.layers) if stop is None else min(stop, len(self.layers))
-        one_call = n > 0 and t <= ROW_INVARIANT_MAX_ROWS and isinstance(layer_mask, Tensor) and layer_mask.dim() == 2
-        stack = self._stack_for(x, cache, pos) if one_call else None
+        stack = self._stack_for(x, cache, pos, layer_mask) if n > 0 else None
         if stack is not None:  # every block in one C++ call: the per-block path's bits without its Python
             ext = amx.avx2_extension()
             outs = ext.stack_forward(  # type: ignore[union-attr]
@@ -754,39 +750,22 @@ class Transformer(nn.Module):
             cache.length = pos + t
         return x
 
-    def _stack_for(self, x: Tensor, cache: KVCache, pos: int) -> object | None:
-        """The fused stack where a pass of one sequence can run it (what :meth:`Block.forward` asks of the
-        fused block, but the pass's length and mask, which the caller checks)."""
+    def _stack_for(self, x: Tensor, cache: KVCache, pos: int, mask: Tensor | GappedMask) -> object | None:
+        """The fused stack where a pass can run it (what :meth:`Block.forward` asks of the fused block)."""
+        t = x.shape[1]
         if (
             FUSED_BLOCKS
             and x.shape[0] == 1
+            and t <= ROW_INVARIANT_MAX_ROWS
+            and isinstance(mask, Tensor)
+            and mask.dim() == 2
             and cache.k.shape[1] == 1
-            and pos + x.shape[1] <= cache.max_len
+            and pos + t <= cache.max_len
             and x.dtype == torch.bfloat16
             and not torch.is_grad_enabled()
         ):
             return self.fused_stack()
         return None
-
-    def _run_in_chunks(
-        self, x: Tensor, cache: KVCache, pos: int, hidden: list[Tensor] | None, stop: int | None
-    ) -> Tensor:
-        """A long causal pass (a prompt's prefill) as consecutive passes of at most
-        ``ROW_INVARIANT_MAX_ROWS`` rows through the fused stack, each row then computed as a decoding
-        pass of those rows would compute it. Why: through the per-op path (torch's bfloat16 ops and
-        SDPA, which this CPU runs at float32 speed or below) a prompt token cost ~2-3 ms of a 2-vCPU
-        Zen 3; the fused stack does the same work in C++ (experiments/prefill_chunks.py). Every method
-        prefills the same way, so decoding stays lossless."""
-        outs: list[Tensor] = []
-        parts: list[list[Tensor]] = []
-        for c0 in range(0, x.shape[1], ROW_INVARIANT_MAX_ROWS):
-            part: list[Tensor] | None = [] if hidden is not None else None
-            outs.append(self.run_layers(x[:, c0 : c0 + ROW_INVARIANT_MAX_ROWS], cache, pos + c0, part, stop))
-            if part is not None:
-                parts.append(part)
-        if hidden is not None:
-            hidden.extend(torch.cat(layer, dim=1) for layer in zip(*parts, strict=True))
-        return torch.cat(outs, dim=1)
 
     def step_rows(self, tokens: list[int], caches: list[KVCache]) -> Tensor:
         """Last hidden states ``[B, 1, d]`` (before :meth:`head`) of one new token per sequence, each
