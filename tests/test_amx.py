@@ -164,11 +164,15 @@ def test_q4_amx_is_auto_where_it_runs(tiny_model, monkeypatch) -> None:
 
 
 @pytest.mark.skipif(not amx.available(), reason="no AVX512-BF16 CPU or no C++ compiler here")
-def test_without_amx_auto_takes_q4_avx512(tiny_model, monkeypatch) -> None:
-    """A CPU with AVX512-BF16 but no AMX (AMD Zen 4/5): ``auto`` runs the C++ kernel's dot-product path,
-    the head on its 8-bit blocks too, and ``q4-amx`` says why it cannot run."""
+def test_without_amx_auto_takes_q4_avx2_then_q4_avx512(tiny_model, monkeypatch) -> None:
+    """A CPU with AVX512-BF16 but no AMX (AMD Zen 4/5): ``auto`` runs the AVX2 build (its blocks fused, the
+    faster path measured on a Zen 4); without that build, the AVX-512 kernel's dot-product path, the head on
+    its 8-bit blocks too; ``q4-amx`` says why it cannot run."""
     monkeypatch.setattr(amx, "amx_available", lambda: False)
     d = tiny_model(hidden_size=64, intermediate_size=128, vocab_size=320)
+    if amx.avx2_extension() is not None:
+        assert load_model(d, torch.bfloat16, kernel="auto").kernel == "q4-avx2"
+    monkeypatch.setattr(amx, "avx2_extension", lambda: None)
     loaded = load_model(d, torch.bfloat16, kernel="auto")
     assert loaded.kernel == "q4-avx512"
     w2, head = loaded.model.layers[0].mlp.w2, loaded.model.lm_head

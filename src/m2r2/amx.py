@@ -122,9 +122,12 @@ def _drop_stale_lock(lock: Path) -> None:
 
 
 def row_helpers() -> ModuleType | None:
-    """The module with this CPU's per-row helpers (``rms_norm``, ``argmax_rows``, ``row_attention``):
-    the AVX-512 build where it runs, else the AVX2 one, else None (torch's own ops)."""
-    return extension() or avx2_extension()
+    """The module with this CPU's per-row helpers (``rms_norm``, ``argmax_rows``, ``row_attention``,
+    ``silu_mul``): the AVX2 build wherever it runs (every AVX-512 CPU too), else the AVX-512 one, else None
+    (torch's own ops). Why the AVX2 build first: its fused decoder block (``q4-avx2``, the default kernel
+    without AMX) shares these helpers so that a block run as one C++ call gives the per-op path's bits, and
+    it applies only where they are the ones every per-op call reaches."""
+    return avx2_extension() or extension()
 
 
 def available() -> bool:
@@ -136,5 +139,7 @@ def available() -> bool:
 @functools.cache
 def amx_available() -> bool:
     """Whether the ``q4-amx`` kernel's AMX products run here too."""
+    if not all(cpu_has(f) for f in AMX_FLAGS):  # before building: a CPU without AMX need not build this
+        return False
     ext = extension()
-    return ext is not None and all(cpu_has(f) for f in AMX_FLAGS) and bool(ext.amx_usable())
+    return ext is not None and bool(ext.amx_usable())

@@ -45,13 +45,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         "--kernel",
         default="auto",
         choices=["auto", "plain", "mkldnn", "int8", "q4", "q4-amx", "q4-avx512", "q4-avx2"],
-        help="linear-layer kernels: auto = q4-amx for bf16 on an AMX CPU, else q4-avx512 on an AVX512-BF16 CPU, "
-        "else q4-avx2 on an AVX2 CPU, else q4, when the layers fit, else mkldnn, else plain; q4 = 4-bit groups "
+        help="linear-layer kernels: auto = q4-amx for bf16 on an AMX CPU, else q4-avx2 on an AVX2 CPU (AVX-512 "
+        "ones too), else q4-avx512, else q4, when the layers fit, else mkldnn, else plain; q4 = 4-bit groups "
         "of 32 (exactly the bundled GGUF's Q4_1 weights, ~1.7x faster than mkldnn); q4-amx = the same weights "
         "summed on AMX (built once with the C++ compiler, ~40 s; a one-token step ~0.86 of q4's, a verify pass "
         "of 8 rows ~1.25 of it instead of ~2); q4-avx512 = the same C++ kernel with AVX512-BF16 dot products "
         "(AMD Zen 4/5); q4-avx2 = the same weights times inputs rounded to int8 per group of 32, as llama.cpp "
-        "runs them (AMD Zen 2/3, older Intel: ~2x faster than q4 there); mkldnn = oneDNN pre-packed bf16; "
+        "runs them, each decoder block one C++ call (~2x faster than q4 on a Zen 3, than q4-avx512 on a Zen 4); "
+        "mkldnn = oneDNN pre-packed bf16; "
         "plain = torch; int8 = weight-only int8 (lossy, not recommended)",
     )
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
