@@ -133,6 +133,32 @@ def test_avx2_products_are_the_weights_times_int8_rounded_inputs(bits: int) -> N
     assert torch.allclose(layer(eye).float(), w.t(), rtol=2.0**-8, atol=1e-6)
 
 
+@needs_avx2
+@pytest.mark.parametrize("bits", [4, 8])
+def test_avx2_vnni_loop_gives_the_avx2_loop_s_bits(bits: int) -> None:
+    """On a CPU with AVX512-VNNI the AVX2 build sums byte products with VPDPBUSD (``q4_vnni.cpp``): the same
+    integers as VPMADDUBSW + VPADDW + VPMADDWD, so every row of 1-9-row passes gets the same bits either way,
+    inputs at the int8 extremes included (every product at its bound)."""
+    ext = amx.avx2_extension()
+    if not ext.set_vnni(True):
+        ext.set_vnni(False)
+        pytest.skip("no AVX512-VNNI on this CPU")
+    lin, _ = q4_1_layer(192, 96, seed=21) if bits == 4 else q8_0_layer(192, 96, seed=22)
+    layer = (AmxInt4Linear if bits == 4 else AmxInt8Linear)(lin, products="avx2")
+    g = torch.Generator().manual_seed(23)
+    extreme = torch.where(torch.rand(9, 96, generator=g) < 0.5, -3.0, 3.0)  # every input rounds to +-127
+    try:
+        for x in (torch.randn(9, 96, generator=g) * 4, extreme):
+            for rows in range(1, 10):
+                xb = x[:rows].to(torch.bfloat16)
+                ext.set_vnni(True)
+                on = layer(xb)
+                ext.set_vnni(False)
+                assert torch.equal(on, layer(xb))
+    finally:
+        ext.set_vnni(True)
+
+
 @pytest.mark.parametrize("products", PRODUCTS)
 def test_amx_and_avx512_sum_the_same_weights(products: str) -> None:
     """The two ways of summing agree to float32 summation order: both apply the same integers, steps

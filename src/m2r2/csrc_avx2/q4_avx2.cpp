@@ -23,20 +23,17 @@
 #include <immintrin.h>
 #include <torch/extension.h>
 
+#include "kernels2.h"
+#include "q4_rows.h"
 #include "simd2.h"
 
+#include <atomic>
+#include <cstdlib>
 #include <vector>
 
 namespace {
 
 using namespace m2r2_avx2;
-
-constexpr int64_t NB = 8;  // columns per block: one register of 8 float32 sums
-constexpr int MB = 4;      // rows per pass over a block's weights
-#ifndef M2R2_PREFETCH
-#define M2R2_PREFETCH 4096
-#endif
-constexpr int64_t PREFETCH = M2R2_PREFETCH;
 
 inline int32_t hsum(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -75,101 +72,22 @@ void quantize_rows(const at::BFloat16* x, int64_t M, int64_t K, int8_t* q, float
     }
 }
 
-// 4 int8 inputs repeated over a register, loaded straight into it (a load-port broadcast, no ALU op)
-inline __m256i broadcast4(const int8_t* p) {
-  return _mm256_castps_si256(_mm256_broadcast_ss(reinterpret_cast<const float*>(p)));
-}
-
-// One block of 8 columns for R rows (xq, step, qsum at the first row; row strides K and G): every
-// group's integer sums per row, then its float32 terms, group by group.
-template <int BITS, int R>
-inline void block_rows(const uint8_t* qb, const at::Half* sb, const int8_t* xq, const float* step, const float* qsum,
-                       int64_t K, int64_t G, uint16_t* y, int64_t N) {
-  constexpr int64_t gbytes = BITS == 4 ? 128 : 256;  // one group's weights
-  constexpr int terms = BITS == 4 ? 2 : 1;
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 out[R];
-  for (int r = 0; r < R; ++r) out[r] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < G; ++g) {
-    const uint8_t* qg = qb + g * gbytes;
-    for (int64_t line = 0; line < gbytes; line += 64)  // the weights PREFETCH bytes ahead (blocks are contiguous):
-      // a one-row pass is bound by memory latency, not by the dot products (experiments/verify_cost.py)
-      _mm_prefetch(reinterpret_cast<const char*>(qg + PREFETCH + line), _MM_HINT_T0);
-    __m256i sums[R];
-    if constexpr (BITS == 4) {
-      // 16-bit lanes take 16 products of at most 15 * 127 each: no overflow before the widening add
-      __m256i s16[R];
-      for (int r = 0; r < R; ++r) s16[r] = _mm256_setzero_si256();
-      const __m256i low4 = _mm256_set1_epi8(0x0F);
-      // kept rolled: unrolled, the compiler computed all 32 products before adding them and spilled them
-#pragma GCC unroll 1
-      for (int h = 0; h < 4; ++h) {
-        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + 32 * h));
-        const __m256i lo = _mm256_and_si256(bytes, low4);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
-        for (int r = 0; r < R; ++r) {
-          const int8_t* xr = xq + r * K + g * 32 + 8 * h;
-          const __m256i pa = _mm256_maddubs_epi16(lo, broadcast4(xr));
-          const __m256i pb = _mm256_maddubs_epi16(hi, broadcast4(xr + 4));
-          s16[r] = _mm256_add_epi16(s16[r], _mm256_add_epi16(pa, pb));
-        }
-      }
-      for (int r = 0; r < R; ++r) sums[r] = _mm256_madd_epi16(s16[r], ones);
-    } else {
-      // signed x signed: |w| times x with w's sign (two products of 127 * 127 fit a 16-bit lane)
-      for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_si256();
-#pragma GCC unroll 1
-      for (int j = 0; j < 8; ++j) {
-        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + 32 * j));
-        const __m256i aw = _mm256_abs_epi8(w);
-        for (int r = 0; r < R; ++r) {
-          const __m256i sx = _mm256_sign_epi8(broadcast4(xq + r * K + g * 32 + 4 * j), w);
-          sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones));
-        }
-      }
-    }
-    const at::Half* s = sb + g * terms * NB;
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
-    for (int r = 0; r < R; ++r) {
-      const __m256 scaled = _mm256_mul_ps(d, _mm256_set1_ps(step[r * G + g]));
-      out[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), scaled, out[r]);
-    }
-    if constexpr (BITS == 4) {
-      const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + NB)));
-      for (int r = 0; r < R; ++r) out[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(qsum[r * G + g]), out[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) store8_bf16(y + r * N, out[r]);
-}
-
 // y [M, N] = x [M, K] times a packed weight (N = blocks * 8), raw pointers: what the op below and the
 // fused decoder block (block_avx2.cpp) share, so both give the same bits.
 template <int BITS>
 void linear_rows(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* qp, const at::Half* sp, int64_t blocks,
                  uint16_t* yp) {
-  constexpr int64_t terms = BITS == 4 ? 2 : 1;
-  const int64_t N = blocks * NB, G = K / 32;
+  const int64_t G = K / 32;
   if (M == 0) return;
   std::vector<int8_t> xq(M * K);
   std::vector<float> step(M * G), qsum(M * G);
   quantize_rows(x, M, K, xq.data(), step.data(), qsum.data());
-  const int64_t block_bytes = G * (BITS == 4 ? 128 : 256);
+  const bool vnni = m2r2_avx2::vnni_in_use();
   at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b)
-      for (int64_t m0 = 0; m0 < M; m0 += MB) {
-        const int rows = static_cast<int>(std::min<int64_t>(MB, M - m0));
-        const uint8_t* qb = qp + b * block_bytes;
-        const at::Half* sb = sp + b * G * terms * NB;
-        const int8_t* xr = xq.data() + m0 * K;
-        const float *st = step.data() + m0 * G, *qs = qsum.data() + m0 * G;
-        uint16_t* yb = yp + m0 * N + b * NB;
-        switch (rows) {
-          case 4: block_rows<BITS, 4>(qb, sb, xr, st, qs, K, G, yb, N); break;
-          case 3: block_rows<BITS, 3>(qb, sb, xr, st, qs, K, G, yb, N); break;
-          case 2: block_rows<BITS, 2>(qb, sb, xr, st, qs, K, G, yb, N); break;
-          default: block_rows<BITS, 1>(qb, sb, xr, st, qs, K, G, yb, N); break;
-        }
-      }
+    if (vnni)
+      m2r2_avx2::block_range_vnni(BITS, qp, sp, xq.data(), step.data(), qsum.data(), M, K, blocks, yp, b0, b1);
+    else
+      block_range<BITS>(qp, sp, xq.data(), step.data(), qsum.data(), M, K, blocks, yp, b0, b1);
   });
 }
 
@@ -195,6 +113,18 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor qbytes, torch::Tensor scales
 }  // namespace
 
 namespace m2r2_avx2 {
+namespace {
+bool cpu_has_vnni() { return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl"); }
+bool vnni_wanted() {
+  const char* off = std::getenv("M2R2_NO_VNNI");
+  return cpu_has_vnni() && !(off && off[0] == '1');
+}
+std::atomic<bool> vnni_on{vnni_wanted()};
+}  // namespace
+
+bool vnni_in_use() { return vnni_on.load(std::memory_order_relaxed); }
+bool set_vnni(bool on) { return vnni_on.exchange(on && cpu_has_vnni()); }
+
 void linear_rows(int bits, const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* qbytes, const at::Half* scales,
                  int64_t blocks, uint16_t* y) {
   if (bits == 4)
@@ -225,5 +155,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("row_attention", &row_attention, "attention of a few rows, bits independent of the keys' layout");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of bfloat16 rows [gate | up]");
   bind_block(m);
+  m.def("vnni_in_use", &m2r2_avx2::vnni_in_use, "whether the 4/8-bit linears run on AVX512-VNNI (same bits)");
+  m.def("set_vnni", &m2r2_avx2::set_vnni, "turn the AVX512-VNNI loop on (where the CPU has it) or off");
   m.def("usable", &usable, "whether this CPU can run the kernels (AVX2, FMA, F16C)");
 }
