@@ -184,6 +184,7 @@ int main(int argc, char** argv) {
 #ifdef __AVX512VNNI__
       variant<1, VNNI>("vnni"),              variant<2, VNNI>("vnni"),
       variant<3, VNNI>("vnni"),              variant<4, VNNI>("vnni"),
+      variant<6, VNNI>("vnni"),              variant<8, VNNI>("vnni"),  // AVX-512's 32 registers hold 8 rows
 #endif
   };
   for (int rep = 0; rep < rounds; ++rep)

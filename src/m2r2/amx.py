@@ -12,9 +12,11 @@ sums the same unpacked integers with dot-product instructions (``q4-avx512``), r
 each weight once for all rows. torch's own extension builder compiles them (about 30 s, once) into
 ``$M2R2_CACHE/ext/``, keyed by the source, the torch version and the compiler flags; a CPU without
 AVX512-BF16, or a machine without a C++ compiler, simply does not get the kernels (``auto`` then
-picks ``q4``), and says why once. A CPU with AVX2 but not AVX-512 (AMD Zen 2/3) gets the
-``q4-avx2`` linears instead (``csrc_avx2/``, a separate build with AVX2 flags only): integer dot
-products on inputs rounded to int8 per group of 32, as llama.cpp runs these GGUF blocks there.
+picks ``q4``), and says why once. Every CPU with AVX2 gets the ``q4-avx2`` linears too (``csrc_avx2/``,
+a separate build with AVX2 flags only, its block loop built again for AVX512-VNNI and chosen at run time):
+integer dot products on inputs rounded to int8 per group of 32, as llama.cpp runs these GGUF blocks, and a
+pass's decoder blocks in one C++ call; it is ``auto``'s choice wherever AMX is missing (on a Zen 4 it decoded
+twice as fast as ``q4-avx512``, whose blocks run op by op).
 """
 
 from __future__ import annotations

@@ -20,7 +20,12 @@ namespace {
 using namespace m2r2_avx2;
 
 constexpr int64_t NB = 8;  // columns per block: one register of 8 float32 sums
-constexpr int MB = 4;      // rows per pass over a block's weights
+// rows per pass over a block's weights: as many as the registers hold (AVX2's 16 take 4 rows' sums and outputs,
+// AVX-512's 32 take 8), so that a prefill or a long verify pass reads and unpacks each weight half as often
+#ifndef M2R2_VNNI_ROWS
+#define M2R2_VNNI_ROWS 8
+#endif
+constexpr int MB = M2R2_VNNI ? M2R2_VNNI_ROWS : 4;
 #ifndef M2R2_PREFETCH
 #define M2R2_PREFETCH 4096
 #endif
@@ -118,6 +123,12 @@ void block_range(const uint8_t* qp, const at::Half* sp, const int8_t* xq, const 
       const float *st = step + m0 * G, *qs = qsum + m0 * G;
       uint16_t* yb = yp + m0 * N + b * NB;
       switch (rows) {
+#if M2R2_VNNI && M2R2_VNNI_ROWS == 8
+        case 8: block_rows<BITS, 8>(qb, sb, xr, st, qs, K, G, yb, N); break;
+        case 7: block_rows<BITS, 7>(qb, sb, xr, st, qs, K, G, yb, N); break;
+        case 6: block_rows<BITS, 6>(qb, sb, xr, st, qs, K, G, yb, N); break;
+        case 5: block_rows<BITS, 5>(qb, sb, xr, st, qs, K, G, yb, N); break;
+#endif
         case 4: block_rows<BITS, 4>(qb, sb, xr, st, qs, K, G, yb, N); break;
         case 3: block_rows<BITS, 3>(qb, sb, xr, st, qs, K, G, yb, N); break;
         case 2: block_rows<BITS, 2>(qb, sb, xr, st, qs, K, G, yb, N); break;
