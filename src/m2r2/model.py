@@ -468,6 +468,25 @@ class MoE(nn.Module):
 #: Whether a block's passes of a few rows run as one C++ call where :meth:`Block.fused` applies (set
 #: ``M2R2_NO_FUSED=1`` for the per-op path: the same bits, ~2x the Python and torch overhead per step).
 FUSED_BLOCKS = os.environ.get("M2R2_NO_FUSED") != "1"
+
+
+def fused_pass_fits(x: Tensor, cache: KVCache, pos: int, mask: Tensor | GappedMask) -> bool:
+    """Whether a pass can run on the fused C++ blocks (given their weights): one inference sequence of up to
+    :data:`ROW_INVARIANT_MAX_ROWS` bfloat16 rows under a plain 2-D mask, within the cache's capacity."""
+    t = x.shape[1]
+    return (
+        FUSED_BLOCKS
+        and x.shape[0] == 1
+        and t <= ROW_INVARIANT_MAX_ROWS
+        and isinstance(mask, Tensor)
+        and mask.dim() == 2
+        and cache.k.shape[1] == 1
+        and pos + t <= cache.max_len
+        and x.dtype == torch.bfloat16
+        and not torch.is_grad_enabled()
+    )
+
+
 #: the AVX2 build's linear ops and their weight bits
 AVX2_OPS = {"q4_linear_avx2": 4, "q8_linear_avx2": 8}
 
@@ -485,19 +504,7 @@ class Block(nn.Module):
     ) -> Tensor:
         """Slow-stream step: write this block's K/V at ``pos`` and attend over the first
         ``mask.shape[-1]`` cache slots under ``mask``."""
-        t = x.shape[1]
-        if (
-            FUSED_BLOCKS
-            and x.shape[0] == 1
-            and t <= ROW_INVARIANT_MAX_ROWS
-            and isinstance(mask, Tensor)
-            and mask.dim() == 2
-            and cache.k.shape[1] == 1
-            and pos + t <= cache.max_len
-            and not torch.is_grad_enabled()
-            and (w := self.fused()) is not None
-            and x.dtype == torch.bfloat16
-        ):
+        if fused_pass_fits(x, cache, pos, mask) and (w := self.fused()) is not None:
             ext = amx.avx2_extension()
             rows = x[0].contiguous()
             k, v = cache.k[layer], cache.v[layer]
@@ -752,20 +759,7 @@ class Transformer(nn.Module):
 
     def _stack_for(self, x: Tensor, cache: KVCache, pos: int, mask: Tensor | GappedMask) -> object | None:
         """The fused stack where a pass can run it (what :meth:`Block.forward` asks of the fused block)."""
-        t = x.shape[1]
-        if (
-            FUSED_BLOCKS
-            and x.shape[0] == 1
-            and t <= ROW_INVARIANT_MAX_ROWS
-            and isinstance(mask, Tensor)
-            and mask.dim() == 2
-            and cache.k.shape[1] == 1
-            and pos + t <= cache.max_len
-            and x.dtype == torch.bfloat16
-            and not torch.is_grad_enabled()
-        ):
-            return self.fused_stack()
-        return None
+        return self.fused_stack() if fused_pass_fits(x, cache, pos, mask) else None
 
     def step_rows(self, tokens: list[int], caches: list[KVCache]) -> Tensor:
         """Last hidden states ``[B, 1, d]`` (before :meth:`head`) of one new token per sequence, each
