@@ -214,7 +214,7 @@ def test_without_the_cpp_kernels_q4_native_says_why(tiny_model, monkeypatch, ker
     monkeypatch.setattr(amx, "avx2_extension", lambda: None)
     d = tiny_model(hidden_size=64, intermediate_size=128)
     with pytest.raises(
-        SettingsError, match="needs a CPU with AVX2" if kernel == "q4-avx2" else "needs a CPU with AVX512-BF16"
+        SettingsError, match="needs a CPU with AVX2" if kernel == "q4-avx2" else "needs a CPU with (AMX|AVX512-BF16)"
     ):
         load_model(d, torch.bfloat16, kernel=kernel)
 
@@ -413,3 +413,25 @@ def test_a_killed_builds_lock_is_dropped_a_live_ones_kept(tmp_path, capsys) -> N
     amx._drop_stale_lock(lock)
     assert not lock.exists() and "stale C++ build lock" in capsys.readouterr().err
     amx._drop_stale_lock(lock)  # none there: nothing to do
+
+
+def test_a_build_s_key_does_not_depend_on_what_was_built_before(tmp_path, monkeypatch) -> None:
+    """torch's builder appends its own link flags to the list it is given; handed the module's own
+    LDFLAGS, the next build in the process got another key and compiled again (~30 s, once per order)."""
+    import types
+
+    import torch.utils.cpp_extension as cpp_extension
+
+    def fake_load(name, sources, extra_cflags, extra_ldflags, build_directory):
+        extra_cflags.append("-fgrown")
+        extra_ldflags.append("-lgrown")  # what torch's load does to the list
+        return types.SimpleNamespace(usable=lambda: True, __name__=name)
+
+    monkeypatch.setenv("M2R2_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    flags_before, ld_before = list(amx.AVX2_FLAGS), list(amx.LDFLAGS)
+    first = amx._build("q4_avx2", amx.AVX2_SOURCES, amx.AVX2_HEADERS, amx.AVX2_FLAGS).__name__
+    amx._build("q4_amx", amx.SOURCES, amx.HEADERS, amx.FLAGS)
+    assert amx._build("q4_avx2", amx.AVX2_SOURCES, amx.AVX2_HEADERS, amx.AVX2_FLAGS).__name__ == first
+    after = (amx.AVX2_FLAGS, amx.LDFLAGS)
+    assert after == (flags_before, ld_before)

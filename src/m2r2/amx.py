@@ -96,8 +96,8 @@ def _build(name: str, sources: list[Path], headers: list[Path], flags: list[str]
         module = load(
             name=f"m2r2_{name}_{key}",
             sources=[str(src) for src in sources],
-            extra_cflags=flags,
-            extra_ldflags=LDFLAGS,
+            extra_cflags=list(flags),  # copies: torch's builder appends its own flags to the lists it gets, and
+            extra_ldflags=list(LDFLAGS),  # a grown LDFLAGS changed the next build's key (a needless rebuild)
             build_directory=str(build),
         )
     except Exception as e:  # no compiler, missing headers, a failed build: the stock kernels still run
@@ -138,10 +138,16 @@ def available() -> bool:
     return extension() is not None
 
 
+def amx_cpu() -> bool:
+    """Whether the CPU reports AMX at all (no build): ``auto`` asks first, so a CPU without it never builds
+    the AVX-512 extension only to learn that."""
+    return all(cpu_has(f) for f in AMX_FLAGS)
+
+
 @functools.cache
 def amx_available() -> bool:
     """Whether the ``q4-amx`` kernel's AMX products run here too."""
-    if not all(cpu_has(f) for f in AMX_FLAGS):  # before building: a CPU without AMX need not build this
+    if not amx_cpu():  # before building: a CPU without AMX need not build this
         return False
     ext = extension()
     return ext is not None and bool(ext.amx_usable())

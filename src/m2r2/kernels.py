@@ -494,6 +494,8 @@ def q4_native_problem(model: Transformer, kernel: str = "q4-amx") -> str | None:
     if kernel == "q4-avx2":
         if amx.avx2_extension() is None:
             return "the q4-avx2 kernel needs a CPU with AVX2, FMA and F16C and a C++ compiler (use --kernel q4)"
+    elif kernel == "q4-amx" and not amx.amx_cpu():  # said before building anything
+        return "the q4-amx kernel needs a CPU with AMX (use --kernel q4-avx2, q4-avx512 or q4)"
     elif not amx.available():
         return f"the {kernel} kernel needs a CPU with AVX512-BF16 and a C++ compiler (use --kernel q4)"
     if kernel == "q4-amx" and not amx.amx_available():
