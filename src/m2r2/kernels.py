@@ -499,7 +499,7 @@ def q4_native_problem(model: Transformer, kernel: str = "q4-amx") -> str | None:
     elif not amx.available():
         return f"the {kernel} kernel needs a CPU with AVX512-BF16 and a C++ compiler (use --kernel q4)"
     if kernel == "q4-amx" and not amx.amx_available():
-        return "the q4-amx kernel needs a CPU with AMX (use --kernel q4-avx512 or q4)"
+        return "the q4-amx kernel needs a CPU with AMX (use --kernel q4-avx2, q4-avx512 or q4)"
     shapes = {(lin.out_features, lin.in_features) for lin in layers}
     if not all(batches_exactly(kernel, n, k, torch.bfloat16, torch.get_num_threads()) for n, k in shapes):
         return f"the {kernel} kernel changes a row's bits with the pass size on this machine (use --kernel q4)"

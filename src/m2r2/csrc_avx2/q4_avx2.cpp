@@ -1,7 +1,8 @@
-// 4-bit and 8-bit weight-only linear layers for CPUs with AVX2 but no AVX-512 (AMD Zen 2/3, Intel
-// before Ice Lake): the q4-avx2 kernel.
+// 4-bit and 8-bit weight-only linear layers for CPUs with AVX2 (AMD Zen 2-5, Intel since Haswell; the
+// default kernel wherever AMX is missing): the q4-avx2 kernel. Its block loop is q4_rows.h (built again in
+// q4_vnni.cpp for AVX512-VNNI CPUs, chosen here at run time).
 //
-// Why: such a CPU has no bf16 arithmetic. torch's 4-bit GEMM there de-quantizes every weight to
+// Why: a CPU without AVX-512 (Zen 2/3) has no bf16 arithmetic. torch's 4-bit GEMM there de-quantizes every weight to
 // float for every call and every 4 rows (a SmolLM2 step ~50 ms on one Zen 3 core, 8 rows 3.4 steps),
 // and a bf16 LM head runs at float32 speed. The integer dot products AVX2 does have
 // (VPMADDUBSW: unsigned x signed bytes, 32 products an instruction) need 8-bit inputs, so, as

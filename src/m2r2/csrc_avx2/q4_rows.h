@@ -106,7 +106,6 @@ inline void block_rows(const uint8_t* qb, const at::Half* sb, const int8_t* xq, 
   for (int r = 0; r < R; ++r) store8_bf16(y + r * N, out[r]);
 }
 
-
 // Blocks [b0, b1) of y [M, blocks * 8] for M rows of int8 inputs (xq [M, K], per group steps and sums),
 // MB rows at a time.
 template <int BITS>

@@ -3,7 +3,7 @@
 // built with AVX2 flags only and still loads on AVX2 CPUs.
 //
 // Why: in a verify pass of 3-4 rows the loop is bound by its byte products and the 16-bit adds around them
-// (experiments/q4_micro.cpp); VPDPBUSD does both in one instruction: the 4-bit loop ran 13-17% more
+// (experiments/q4_micro.cpp); VPDPBUSD does both in one instruction: the 4-bit loop ran 13-18% more
 // multiply-adds a second at 3-4 rows on a Zen 4 core, the same at 1-2 rows (q4_micro.out.txt).
 //
 // Everything from other headers is included before the target pragma, so that no inline function shared
