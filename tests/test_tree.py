@@ -283,8 +283,8 @@ def test_a_grown_stream_starts_at_its_shallower_stream_and_folds_its_gates(tmp_p
     assert not torch.allclose(unfolded, one.step(*args)[-1], atol=1e-3)
     back = load_adapters(save_adapters(tmp_path / "g.safetensors", two.freeze(False), "fp", torch.float32), model, "fp")
     assert back.cfg == two.cfg and torch.equal(back.gates["2"], two.gates["2"])
-    with pytest.raises(SettingsError, match="cannot start"):
-        SeededFastStream(model, SeededConfig.build(4, depth=2, rank=8, gated=[2])).adopt(one)
+    with pytest.raises(SettingsError, match="cannot start"):  # a lower rank would drop trained ranks
+        SeededFastStream(model, SeededConfig.build(4, depth=2, rank=2, gated=[2])).adopt(one)
     with pytest.raises(SettingsError, match="cannot start"):  # the new layer must be gated
         SeededFastStream(model, SeededConfig.build(4, depth=2, rank=4)).adopt(one)
     with pytest.raises(SettingsError, match="gated layers"):
@@ -294,6 +294,27 @@ def test_a_grown_stream_starts_at_its_shallower_stream_and_folds_its_gates(tmp_p
     if attention_only:  # an attention-only layer cannot give back the FFN adapters a whole layer needs
         with pytest.raises(SettingsError, match="cannot start"):
             SeededFastStream(model, SeededConfig.build(4, depth=2, rank=4, gated=[2])).adopt(two)
+
+
+def test_a_stream_grown_to_a_higher_rank_drafts_what_it_did_and_trains_its_new_ranks():
+    """Widening a trained stream (rank 4 -> 12, the capacity ablation of docs/TRAINING.md) keeps its drafts
+    exactly, and the loss reaches the new ranks (their B columns get gradients), so training can use them."""
+    model = tiny_model(29, layers=4)
+    one = seeded_stream(model, 1, 0.1, 29, fold=False)
+    wide = SeededFastStream(model, SeededConfig.build(4, depth=1, rank=12))
+    wide.adopt(one)
+    tokens = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(3))
+    cache = model.new_cache(12)
+    with torch.no_grad():  # the frozen slow stream, as the training store holds it
+        hidden = model.run_layers(model.embed_tokens(tokens), cache, 0)
+        a = one.forward_chain(tokens, hidden, cache.k[[3]], cache.v[[3]], steps=2)
+    wide.train()
+    b = wide.forward_chain(tokens, hidden, cache.k[[3]], cache.v[[3]], steps=2)
+    for s in range(2):
+        assert torch.allclose(a[s][-1], b[s][-1], atol=1e-6)
+    b[1][-1].square().sum().backward()
+    assert float(wide.adapters[0].B["q"].grad[:, 4:].abs().sum()) > 0
+    assert torch.equal(wide.adapters[0].A["q"].detach()[:4], one.adapters[0].A["q"])
 
 
 def _conversations(path, n: int) -> None:

@@ -853,8 +853,9 @@ def _add_seeded_commands(sub: argparse._SubParsersAction) -> None:
         "`--option adapters=DIR/adapters.safetensors` or copy it into src/m2r2/adapters/ to ship it.",
     )
     init = (
-        "seeded adapters to start from (e.g. before the store grew); a stream of fewer layers and the same rank "
-        "is grown to --depth: its layers carried over, the new ones' outputs gated shut at first"
+        "seeded adapters to start from (e.g. before the store grew); a stream of fewer layers or a lower rank "
+        "is grown to --depth and --rank: its layers and ranks carried over, the new layers' outputs gated shut "
+        "and the new ranks adding nothing at first"
     )
     _add_store_train_args(ts, "runs/seeded", "adapter", init)
     ts.add_argument("--depth", type=int, default=1, help="fast layers K: the last K base layers (default 1)")

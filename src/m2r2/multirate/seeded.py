@@ -281,18 +281,19 @@ class SeededFastStream(DraftHead, nn.Module):
         return a + (m if g is None else g[1].to(m.dtype) * m)
 
     def adopt(self, start: SeededFastStream) -> None:
-        """Start training from ``start``: a stream of this shape, or one of the same rank whose layers
-        are this stream's last ones (shallower, or with layers this one runs attention-only). Why grow:
-        a trained one-layer stream stopped gaining from more data (docs/TRAINING.md); the earlier layers
-        it lacks are added with their outputs gated shut, so training starts exactly at ``start``'s
-        drafts and opens them as they help."""
+        """Start training from ``start``: a stream of this shape, or one of the same or a lower rank whose
+        layers are this stream's last ones (shallower, or with layers this one runs attention-only). Why
+        grow: a trained one-layer stream stopped gaining from more data (docs/TRAINING.md); the earlier
+        layers it lacks are added with their outputs gated shut, and a higher rank keeps ``start``'s pairs
+        in its first ranks with the new ranks' ``B`` columns at 0, so training starts exactly at
+        ``start``'s drafts and opens the new capacity as it helps."""
         if start.cfg == self.cfg:
             self.load_state_dict(start.state_dict())
             return
         a, b = start.cfg, self.cfg
         extra = [i for i in b.layers if i not in a.layers]
         if (
-            a.rank != b.rank
+            a.rank > b.rank
             or b.layers[-a.depth :] != a.layers
             or not set(extra) <= set(b.gated)
             or not set(a.attention_only) <= set(b.attention_only)
@@ -307,10 +308,12 @@ class SeededFastStream(DraftHead, nn.Module):
             self.fuse.weight.zero_()
             self.fuse.weight[:, : start.fuse.in_features].copy_(start.fuse.weight)
             for j, layer in enumerate(a.layers):  # an attention-only layer takes the attention adapters alone
-                mine = self.adapters[b.layers.index(layer)].state_dict()
-                self.adapters[b.layers.index(layer)].load_state_dict(
-                    {k: v for k, v in start.adapters[j].state_dict().items() if k in mine}
-                )
+                mine = self.adapters[b.layers.index(layer)].state_dict()  # views of the parameters
+                for key, pair in start.adapters[j].state_dict().items():
+                    if key.startswith("A.") and key in mine:  # [rank, in]: the start's ranks first
+                        mine[key][: a.rank].copy_(pair)
+                    elif key in mine:  # B [out, rank]: the new ranks' columns add nothing yet
+                        mine[key].zero_()[:, : a.rank].copy_(pair)
             for key, p in start.gates.items():
                 self.gates[key].copy_(p)
             for name in ("q", "k", "v", "out"):  # ARLA's layer embedding has one row per depth: kept fresh
