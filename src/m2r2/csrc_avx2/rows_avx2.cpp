@@ -108,6 +108,67 @@ namespace {
 inline __m256 load_row8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load_row8(const at::BFloat16* p) { return load8(p, 8); }
 
+// hsum (simd2.h) of four vectors at once, lane k = hsum(v[k]) bit for bit: each vector's halves added, then a
+// 4x4 transpose, so that lane k adds (s0 + s2) + (s1 + s3) of v[k]'s s = lo + hi, as hsum does
+inline __m128 hsum4(const __m256* v) {
+  __m128 s[4];
+  for (int k = 0; k < 4; ++k) s[k] = _mm_add_ps(_mm256_castps256_ps128(v[k]), _mm256_extractf128_ps(v[k], 1));
+  _MM_TRANSPOSE4_PS(s[0], s[1], s[2], s[3]);  // s[i] lane k = v[k]'s s_i
+  return _mm_add_ps(_mm_add_ps(s[0], s[2]), _mm_add_ps(s[1], s[3]));
+}
+
+// Scores of four keys (k4) for GN query vectors (q, rows qstride apart) into e (rows estride apart): each
+// key's multiply-adds over D in chunks of 8 into its own register, as one score alone is summed. GN <= 3 and
+// four keys fill AVX2's 16 registers (12 sums, 3 query chunks, the widened key chunk), so nothing spills and
+// a key chunk is widened once for the GN vectors.
+template <int GN, typename KT>
+inline void score4(const float* q, int64_t qstride, const KT* const* k4, int64_t D, float sc, float* e, int64_t estride) {
+  __m256 acc[GN][4];
+  for (int j = 0; j < GN; ++j)
+    for (int c = 0; c < 4; ++c) acc[j][c] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) {
+    __m256 qd[GN];
+    for (int j = 0; j < GN; ++j) qd[j] = _mm256_loadu_ps(q + j * qstride + d);
+    for (int c = 0; c < 4; ++c) {
+      const __m256 kc = load_row8(k4[c] + d);
+      for (int j = 0; j < GN; ++j) acc[j][c] = _mm256_fmadd_ps(qd[j], kc, acc[j][c]);
+    }
+  }
+  for (int j = 0; j < GN; ++j) _mm_storeu_ps(e + j * estride, _mm_mul_ps(hsum4(acc[j]), _mm_set1_ps(sc)));
+}
+
+// GN query vectors' weighted values over CH chunks of 8 output lanes from d0, keys in cache order (each
+// lane adds its keys' terms in that order: the bits of one vector at a time), divided by the vectors' sums
+// of exponentials. GN = 3, CH = 4: 12 sums, 3 weights and one widened value chunk in 16 registers.
+template <int GN, int CH, typename KT>
+inline void weigh(const float* e, int64_t estride, const int32_t* keys, int64_t n, const KT* vb, int64_t vs,
+                  int64_t d0, const float* tots, float* out, int64_t D) {
+  __m256 acc[GN][CH];
+  for (int j = 0; j < GN; ++j)
+    for (int c = 0; c < CH; ++c) acc[j][c] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; ++i) {
+    const KT* v = vb + keys[i] * vs + d0;
+    __m256 p[GN];
+    for (int j = 0; j < GN; ++j) p[j] = _mm256_set1_ps(e[j * estride + i]);
+    for (int c = 0; c < CH; ++c) {
+      const __m256 vc = load_row8(v + 8 * c);
+      for (int j = 0; j < GN; ++j) acc[j][c] = _mm256_fmadd_ps(p[j], vc, acc[j][c]);
+    }
+  }
+  for (int j = 0; j < GN; ++j) {
+    const __m256 inv = _mm256_set1_ps(tots[j]);
+    for (int c = 0; c < CH; ++c) _mm256_storeu_ps(out + j * D + d0 + 8 * c, _mm256_div_ps(acc[j][c], inv));
+  }
+}
+
+template <int GN, typename KT>
+inline void weigh_all(const float* e, int64_t estride, const int32_t* keys, int64_t n, const KT* vb, int64_t vs,
+                      const float* tots, float* out, int64_t D) {
+  int64_t d0 = 0;
+  for (; d0 + 32 <= D; d0 += 32) weigh<GN, 4>(e, estride, keys, n, vb, vs, d0, tots, out, D);
+  for (; d0 < D; d0 += 8) weigh<GN, 1>(e, estride, keys, n, vb, vs, d0, tots, out, D);
+}
+
 // One query row of one key head: its G query vectors attend the allowed keys in increasing cache
 // position, every sum in that order (a score's multiply-adds over D in chunks of 8, one horizontal
 // sum; the sum of exponentials and each output lane's weighted values key by key), so a row's bits
@@ -115,7 +176,7 @@ inline __m256 load_row8(const at::BFloat16* p) { return load8(p, 8); }
 template <typename KT>
 void attend_row(const float* q, int64_t qstride, const KT* kb, int64_t ks, const KT* vb, int64_t vs, const bool* m,
                 int64_t S, int64_t G, int64_t D, float sc, float* out, std::vector<int32_t>& keys,
-                std::vector<float>& e, std::vector<float>& kf, std::vector<float>& tots) {
+                std::vector<float>& e, std::vector<float>& tots) {
   keys.resize(S);
   int64_t n = 0;
   for (int64_t s = 0; s < S; ++s)
@@ -124,31 +185,25 @@ void attend_row(const float* q, int64_t qstride, const KT* kb, int64_t ks, const
     std::fill(out, out + G * D, 0.0f);
     return;
   }
-  e.resize(G * (n + 8));
-  kf.resize(8 * D);
-  // scores eight keys at a time (eight independent chains of multiply-adds; each key's own in D order),
-  // each key widened to float32 once for all G query vectors; the eight sums reduced together in hsum's
-  // order (same bits, a third of the instructions)
-  for (int64_t i0 = 0; i0 < n; i0 += 8) {
-    const int64_t nb = std::min<int64_t>(8, n - i0);
-    for (int64_t j = 0; j < 8; ++j) {
-      const KT* k = kb + keys[i0 + std::min(j, nb - 1)] * ks;  // a short block repeats its last key
-      for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(kf.data() + j * D + d, load_row8(k + d));
-    }
-    for (int64_t g = 0; g < G; ++g) {
-      __m256 acc[8];
-      for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
-      for (int64_t d = 0; d < D; d += 8) {
-        const __m256 qd = _mm256_loadu_ps(q + g * qstride + d);
-        for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kf.data() + j * D + d), acc[j]);
+  const int64_t es = n + 8;  // e has 8 spare slots past n: a short block's extra scores land there
+  e.resize(G * es);
+  for (int64_t i0 = 0; i0 < n; i0 += 4) {  // four keys at a time; a short block repeats its last key
+    const int64_t nb = std::min<int64_t>(4, n - i0);
+    const KT* k4[4];
+    for (int64_t j = 0; j < 4; ++j) k4[j] = kb + keys[i0 + std::min(j, nb - 1)] * ks;
+    for (int64_t g0 = 0; g0 < G; g0 += 3) {
+      const float* qg = q + g0 * qstride;
+      float* eg = e.data() + g0 * es + i0;
+      switch (std::min<int64_t>(3, G - g0)) {
+        case 3: score4<3>(qg, qstride, k4, D, sc, eg, es); break;
+        case 2: score4<2>(qg, qstride, k4, D, sc, eg, es); break;
+        default: score4<1>(qg, qstride, k4, D, sc, eg, es); break;
       }
-      // e has 8 spare slots past n: a short block's extra scores land there and are overwritten below
-      _mm256_storeu_ps(e.data() + g * (n + 8) + i0, _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(sc)));
     }
   }
   tots.resize(G);
   for (int64_t g = 0; g < G; ++g) {
-    float* eg = e.data() + g * (n + 8);
+    float* eg = e.data() + g * es;
     __m256 mx8 = _mm256_set1_ps(-INFINITY);  // the maximum is the same whatever the order
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) mx8 = _mm256_max_ps(mx8, _mm256_loadu_ps(eg + i));
@@ -162,33 +217,17 @@ void attend_row(const float* q, int64_t qstride, const KT* kb, int64_t ks, const
   for (int64_t g0 = 0; g0 < G; g0 += 4) {
     const int gn = static_cast<int>(std::min<int64_t>(4, G - g0));
     float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    const float* eg = e.data() + g0 * (n + 8);
+    const float* eg = e.data() + g0 * es;
     for (int64_t i = 0; i < n; ++i)
-      for (int j = 0; j < gn; ++j) t[j] += eg[j * (n + 8) + i];
+      for (int j = 0; j < gn; ++j) t[j] += eg[j * es + i];
     for (int j = 0; j < gn; ++j) tots[g0 + j] = t[j];
   }
-  // weighted values: each value chunk widened once for up to three query vectors (each output lane still
-  // adds its keys' terms in cache order: the same bits as one query vector at a time)
   for (int64_t g0 = 0; g0 < G; g0 += 3) {
-    const int gn = static_cast<int>(std::min<int64_t>(3, G - g0));
-    for (int64_t d0 = 0; d0 < D; d0 += 32) {  // up to 4 registers of output lanes per query vector
-      const int chunks = static_cast<int>(std::min<int64_t>(4, (D - d0) / 8));
-      __m256 acc[3][4];
-      for (int j = 0; j < gn; ++j)
-        for (int c = 0; c < chunks; ++c) acc[j][c] = _mm256_setzero_ps();
-      for (int64_t i = 0; i < n; ++i) {
-        const KT* v = vb + keys[i] * vs + d0;
-        __m256 vc[4];
-        for (int c = 0; c < chunks; ++c) vc[c] = load_row8(v + 8 * c);
-        for (int j = 0; j < gn; ++j) {
-          const __m256 p = _mm256_set1_ps(e[(g0 + j) * (n + 8) + i]);
-          for (int c = 0; c < chunks; ++c) acc[j][c] = _mm256_fmadd_ps(p, vc[c], acc[j][c]);
-        }
-      }
-      for (int j = 0; j < gn; ++j) {
-        const __m256 inv = _mm256_set1_ps(tots[g0 + j]);
-        for (int c = 0; c < chunks; ++c) _mm256_storeu_ps(out + (g0 + j) * D + d0 + 8 * c, _mm256_div_ps(acc[j][c], inv));
-      }
+    const float* eg = e.data() + g0 * es;
+    switch (std::min<int64_t>(3, G - g0)) {
+      case 3: weigh_all<3>(eg, es, keys.data(), n, vb, vs, tots.data() + g0, out + g0 * D, D); break;
+      case 2: weigh_all<2>(eg, es, keys.data(), n, vb, vs, tots.data() + g0, out + g0 * D, D); break;
+      default: weigh_all<1>(eg, es, keys.data(), n, vb, vs, tots.data() + g0, out + g0 * D, D); break;
     }
   }
 }
@@ -199,11 +238,11 @@ void run_rows(const float* qp, const KT* kp, const KT* vp, const bool* mp, float
   const int64_t G = H / KVH;
   at::parallel_for(0, B * KVH * T, 1, [&](int64_t i0, int64_t i1) {
     thread_local std::vector<int32_t> keys;
-    thread_local std::vector<float> e, kf, tots;
+    thread_local std::vector<float> e, tots;
     for (int64_t item = i0; item < i1; ++item) {
       const int64_t b = item / (KVH * T), h = item / T % KVH, t = item % T;
       attend_row(qp + ((b * H + h * G) * T + t) * D, T * D, kp + b * kv[0] + h * kv[1], kv[2], vp + b * kv[3] + h * kv[4],
-                 kv[5], mp + b * mb + t * S, S, G, D, sc, op + ((b * T + t) * H + h * G) * D, keys, e, kf, tots);
+                 kv[5], mp + b * mb + t * S, S, G, D, sc, op + ((b * T + t) * H + h * G) * D, keys, e, tots);
     }
   });
 }
