@@ -28,6 +28,9 @@ p.add_argument("--threads", type=int, default=2)
 p.add_argument("--repeats", type=int, default=41)
 p.add_argument("--rows", default="1,2,3,4", help="pass sizes, comma-separated (up to 32: the fused stack)")
 p.add_argument("--prefill", type=int, default=0, help="also time a prefill of this many tokens (0: none)")
+p.add_argument(
+    "--timing-only", action="store_true", help="a variant that computes less on purpose: skip the bits check"
+)
 args = p.parse_args()
 engine = Engine(threads=args.threads, quiet=True)
 model = engine.model
@@ -83,7 +86,7 @@ with torch.inference_mode():
                 t = time.perf_counter()
                 outs[name] = model.run_layers(x, cache, pos)
                 times[name].append(time.perf_counter() - t)
-        assert torch.equal(outs["default"], outs["variant"]), "the builds give different bits"
+        assert args.timing_only or torch.equal(outs["default"], outs["variant"]), "the builds give different bits"
         a, b = (statistics.median(times[k]) * 1e3 for k in ("default", "variant"))
         print(f"| {rows}{'' if pos else ' (prefill)'} | {a:.2f} | {b:.2f} | {b / a:.3f} |")
 amx.avx2_extension, amx.row_helpers = real_ext, real_helpers

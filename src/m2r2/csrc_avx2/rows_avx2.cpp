@@ -108,15 +108,6 @@ namespace {
 inline __m256 load_row8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load_row8(const at::BFloat16* p) { return load8(p, 8); }
 
-// hsum (simd2.h) of four vectors at once, lane k = hsum(v[k]) bit for bit: each vector's halves added, then a
-// 4x4 transpose, so that lane k adds (s0 + s2) + (s1 + s3) of v[k]'s s = lo + hi, as hsum does
-inline __m128 hsum4(const __m256* v) {
-  __m128 s[4];
-  for (int k = 0; k < 4; ++k) s[k] = _mm_add_ps(_mm256_castps256_ps128(v[k]), _mm256_extractf128_ps(v[k], 1));
-  _MM_TRANSPOSE4_PS(s[0], s[1], s[2], s[3]);  // s[i] lane k = v[k]'s s_i
-  return _mm_add_ps(_mm_add_ps(s[0], s[2]), _mm_add_ps(s[1], s[3]));
-}
-
 // Scores of four keys (k4) for GN query vectors (q, rows qstride apart) into e (rows estride apart): each
 // key's multiply-adds over D in chunks of 8 into its own register, as one score alone is summed. GN <= 3 and
 // four keys fill AVX2's 16 registers (12 sums, 3 query chunks, the widened key chunk), so nothing spills and

@@ -35,17 +35,13 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// hsum of eight vectors at once, lane k = hsum(v[k]) bit for bit: each pair of halves added, then lanes
-// 0+2 and 1+3, then those two, as hsum does it
-inline __m256 hsum8(const __m256* v) {
-  __m256 p[4];
-  for (int k = 0; k < 4; ++k)  // [v[k] lo + hi | v[k+4] lo + hi]
-    p[k] = _mm256_add_ps(_mm256_permute2f128_ps(v[k], v[k + 4], 0x20), _mm256_permute2f128_ps(v[k], v[k + 4], 0x31));
-  const __m256 w01 = _mm256_add_ps(_mm256_shuffle_ps(p[0], p[1], _MM_SHUFFLE(1, 0, 1, 0)),
-                                   _mm256_shuffle_ps(p[0], p[1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m256 w23 = _mm256_add_ps(_mm256_shuffle_ps(p[2], p[3], _MM_SHUFFLE(1, 0, 1, 0)),
-                                   _mm256_shuffle_ps(p[2], p[3], _MM_SHUFFLE(3, 2, 3, 2)));
-  return _mm256_hadd_ps(w01, w23);
+// hsum of four vectors at once, lane k = hsum(v[k]) bit for bit: each vector's halves added, then a 4x4
+// transpose, so that lane k adds (s0 + s2) + (s1 + s3) of v[k]'s s = lo + hi, as hsum does
+inline __m128 hsum4(const __m256* v) {
+  __m128 s[4];
+  for (int k = 0; k < 4; ++k) s[k] = _mm_add_ps(_mm256_castps256_ps128(v[k]), _mm256_extractf128_ps(v[k], 1));
+  _MM_TRANSPOSE4_PS(s[0], s[1], s[2], s[3]);  // s[i] lane k = v[k]'s s_i
+  return _mm_add_ps(_mm_add_ps(s[0], s[2]), _mm_add_ps(s[1], s[3]));
 }
 
 inline float hmax(__m256 v) {
