@@ -2,11 +2,15 @@
 1-5 rows, bfloat16 and float32 caches, random masks) must give the same bits; then microseconds per call
 (best of 300, 1 thread) for SmolLM2's 9/3 heads at 264 and 600 keys, 1 and 4 rows. ``against DIR`` instead
 builds the ``csrc_avx2`` sources in DIR (a copy of the old ones) and compares the two builds call by call over
-2,520 more cases (7 head layouts, head sizes 8-256, 1-300 keys, 1-9 rows, batches of 1-2, 1 and 2 threads).
+2,520 more cases (7 head layouts, head sizes 8-256, 1-300 keys, 1-9 rows, batches of 1-2, 1 and 2 threads;
+half of them with random masks, half with a verify pass's tree masks); ``vl`` compares this build's AVX2 row
+attention with its AVX-512VL one (two rows at a time) over the same cases. The timings show both where the
+build has both.
 
     git stash; python experiments/row_attention_ab.py save runs/attn-ref.pt; git stash pop
     python experiments/row_attention_ab.py check runs/attn-ref.pt
     python experiments/row_attention_ab.py against /tmp/old-csrc_avx2
+    python experiments/row_attention_ab.py vl
 """
 
 import itertools
@@ -20,9 +24,38 @@ from m2r2 import amx
 
 ext = amx.avx2_extension()
 assert ext is not None, "the AVX2 build does not run here"
-if sys.argv[1] == "against":
-    src = Path(sys.argv[2])
-    old = amx._build("attn_old", sorted(src.glob("*.cpp")), sorted(src.glob("*.h")), list(amx.AVX2_FLAGS))
+
+
+def tree_mask(B: int, T: int, S: int, g: torch.Generator) -> torch.Tensor:
+    """A verify pass's mask: every row sees the first S - T keys (some cut by a random gap), then a random
+    subset of the pass's own T keys, always its own (a tree row sees its ancestors)."""
+    if S < T:  # no room for a tree behind a prefix
+        return torch.rand(B, T, S, generator=g) < 0.7
+    m = torch.ones(B, T, S, dtype=torch.bool)
+    m[:, :, S - T :] = torch.rand(B, T, T, generator=g) < 0.5
+    m[:, :, S - T :] |= torch.eye(T, dtype=torch.bool)
+    if S > T + 4:
+        m[:, :, 2:4] = False
+    return m
+
+
+if sys.argv[1] in ("against", "vl"):
+    if sys.argv[1] == "against":
+        src = Path(sys.argv[2])
+        old = amx._build("attn_old", sorted(src.glob("*.cpp")), sorted(src.glob("*.h")), list(amx.AVX2_FLAGS))
+
+        def reference(*args):
+            return old.row_attention(*args)
+    else:  # this build's AVX2 path against its AVX-512VL one
+
+        def reference(*args):
+            was = ext.set_vl_attention(False)
+            try:
+                return ext.row_attention(*args)
+            finally:
+                ext.set_vl_attention(was)
+
+        assert ext.vl_attention_in_use(), "the AVX-512VL row attention does not run here"
     g = torch.Generator().manual_seed(1)
     layouts = [(3, 3), (2, 1), (9, 3), (8, 2), (14, 2), (12, 2), (4, 1)]
     grid = itertools.product(
@@ -34,11 +67,14 @@ if sys.argv[1] == "against":
         q = torch.randn(B, H, T, D, generator=g) * 2
         k = (torch.randn(B, KVH, S + 3, D, generator=g) * 2).to(dt)
         v = torch.randn(B, KVH, S + 3, D, generator=g).to(dt)
-        mask = torch.rand(B, T, S + 3, generator=g) < 0.7
+        if n % 2:
+            mask = torch.rand(B, T, S + 3, generator=g) < 0.7
+        else:
+            mask = tree_mask(B, T, S + 3, g)
         mask[:, :, S:] = False
         args = (q, k, v, mask, D**-0.5)
-        assert torch.equal(ext.row_attention(*args), old.row_attention(*args)), (H, KVH, D, dt, S, T, threads)
-    print("cases", n + 1, "identical")
+        assert torch.equal(ext.row_attention(*args), reference(*args)), (H, KVH, D, dt, S, T, threads)
+    print("cases", n + 1, "identical (half random masks, half tree masks)")
     sys.exit()
 torch.manual_seed(0)
 cases = []
@@ -67,9 +103,12 @@ for S in (264, 600):
         k = torch.randn(1, 3, S, 64).bfloat16()
         v = torch.randn(1, 3, S, 64).bfloat16()
         m = torch.ones(1, T, S, dtype=torch.bool)
-        best = 1e9
+        best = {}
         for _ in range(300):
-            t = time.perf_counter()
-            ext.row_attention(q, k, v, m, 0.125)
-            best = min(best, time.perf_counter() - t)
-        print(f"S={S} T={T}: {best * 1e6:.1f} us")
+            for vl in (False, True) if hasattr(ext, "set_vl_attention") else (False,):
+                if hasattr(ext, "set_vl_attention"):
+                    ext.set_vl_attention(vl)
+                t = time.perf_counter()
+                ext.row_attention(q, k, v, m, 0.125)
+                best[vl] = min(best.get(vl, 1e9), time.perf_counter() - t)
+        print(f"S={S} T={T}: " + ", ".join(f"{'avx512vl' if vl else 'avx2'} {b * 1e6:.1f} us" for vl, b in best.items()))
