@@ -3,14 +3,11 @@
 (best of 300, 1 thread) for SmolLM2's 9/3 heads at 264 and 600 keys, 1 and 4 rows. ``against DIR`` instead
 builds the ``csrc_avx2`` sources in DIR (a copy of the old ones) and compares the two builds call by call over
 2,520 more cases (7 head layouts, head sizes 8-256, 1-300 keys, 1-9 rows, batches of 1-2, 1 and 2 threads;
-half of them with random masks, half with a verify pass's tree masks); ``vl`` compares this build's AVX2 row
-attention with its AVX-512VL one (two rows at a time) over the same cases. The timings show both where the
-build has both.
+half of them with random masks, half with a verify pass's tree masks).
 
     git stash; python experiments/row_attention_ab.py save runs/attn-ref.pt; git stash pop
     python experiments/row_attention_ab.py check runs/attn-ref.pt
     python experiments/row_attention_ab.py against /tmp/old-csrc_avx2
-    python experiments/row_attention_ab.py vl
 """
 
 import itertools
@@ -39,23 +36,9 @@ def tree_mask(B: int, T: int, S: int, g: torch.Generator) -> torch.Tensor:
     return m
 
 
-if sys.argv[1] in ("against", "vl"):
-    if sys.argv[1] == "against":
-        src = Path(sys.argv[2])
-        old = amx._build("attn_old", sorted(src.glob("*.cpp")), sorted(src.glob("*.h")), list(amx.AVX2_FLAGS))
-
-        def reference(*args):
-            return old.row_attention(*args)
-    else:  # this build's AVX2 path against its AVX-512VL one
-
-        def reference(*args):
-            was = ext.set_vl_attention(False)
-            try:
-                return ext.row_attention(*args)
-            finally:
-                ext.set_vl_attention(was)
-
-        assert ext.vl_attention_in_use(), "the AVX-512VL row attention does not run here"
+if sys.argv[1] == "against":
+    src = Path(sys.argv[2])
+    old = amx._build("attn_old", sorted(src.glob("*.cpp")), sorted(src.glob("*.h")), list(amx.AVX2_FLAGS))
     g = torch.Generator().manual_seed(1)
     layouts = [(3, 3), (2, 1), (9, 3), (8, 2), (14, 2), (12, 2), (4, 1)]
     grid = itertools.product(
@@ -70,10 +53,10 @@ if sys.argv[1] in ("against", "vl"):
         if n % 2:
             mask = torch.rand(B, T, S + 3, generator=g) < 0.7
         else:
-            mask = tree_mask(B, T, S + 3, g)
+            mask = torch.cat([tree_mask(B, T, S, g), torch.zeros(B, T, 3, dtype=torch.bool)], dim=-1)
         mask[:, :, S:] = False
         args = (q, k, v, mask, D**-0.5)
-        assert torch.equal(ext.row_attention(*args), reference(*args)), (H, KVH, D, dt, S, T, threads)
+        assert torch.equal(ext.row_attention(*args), old.row_attention(*args)), (H, KVH, D, dt, S, T, threads)
     print("cases", n + 1, "identical (half random masks, half tree masks)")
     sys.exit()
 torch.manual_seed(0)
@@ -103,12 +86,9 @@ for S in (264, 600):
         k = torch.randn(1, 3, S, 64).bfloat16()
         v = torch.randn(1, 3, S, 64).bfloat16()
         m = torch.ones(1, T, S, dtype=torch.bool)
-        best = {}
+        best = 1e9
         for _ in range(300):
-            for vl in (False, True) if hasattr(ext, "set_vl_attention") else (False,):
-                if hasattr(ext, "set_vl_attention"):
-                    ext.set_vl_attention(vl)
-                t = time.perf_counter()
-                ext.row_attention(q, k, v, m, 0.125)
-                best[vl] = min(best.get(vl, 1e9), time.perf_counter() - t)
-        print(f"S={S} T={T}: " + ", ".join(f"{'avx512vl' if vl else 'avx2'} {b * 1e6:.1f} us" for vl, b in best.items()))
+            t = time.perf_counter()
+            ext.row_attention(q, k, v, m, 0.125)
+            best = min(best, time.perf_counter() - t)
+        print(f"S={S} T={T}: {best * 1e6:.1f} us")

@@ -23,13 +23,6 @@ void rms_norm_rows(const at::BFloat16* x, const at::BFloat16* w, int64_t rows, i
 // h, s}; mask [T, S] per batch item (item stride mb); out [B, T, H, D] float32
 void attention_rows(const float* q, const void* k, const void* v, bool bf16, const int64_t* kv, const bool* mask,
                     int64_t mb, float* out, int64_t B, int64_t H, int64_t T, int64_t D, int64_t KVH, int64_t S, float sc);
-// attention_rows for two rows at a time on AVX-512VL (rows_vl.cpp; the same bits), and whether attention_rows runs
-// it: the CPU has AVX512-F/VL/BW and neither M2R2_NO_VL_ATTENTION=1 nor set_vl_attention(false) turned it off
-void attention_rows_vl(const float* q, const void* k, const void* v, bool bf16, const int64_t* kv, const bool* mask,
-                       int64_t mb, float* out, int64_t B, int64_t H, int64_t T, int64_t D, int64_t KVH, int64_t S,
-                       float sc);
-bool vl_attention_in_use();
-bool set_vl_attention(bool on);
 // silu(gate) * up of rows [gate (m) | up (m)] into [rows, m]
 void silu_mul_rows(const at::BFloat16* gu, int64_t rows, int64_t m, uint16_t* out);
 

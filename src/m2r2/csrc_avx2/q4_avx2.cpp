@@ -158,9 +158,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_block(m);
   m.def("vnni_in_use", &m2r2_avx2::vnni_in_use, "whether the 4/8-bit linears run on AVX512-VNNI (same bits)");
   m.def("set_vnni", &m2r2_avx2::set_vnni, "turn the AVX512-VNNI loop on (where the CPU has it) or off");
-  m.def("vl_attention_in_use", &m2r2_avx2::vl_attention_in_use,
-        "whether the row attention runs two rows at a time on AVX-512VL (same bits)");
-  m.def("set_vl_attention", &m2r2_avx2::set_vl_attention,
-        "turn the AVX-512VL row attention on (where the CPU has it) or off; returns whether it was on");
   m.def("usable", &usable, "whether this CPU can run the kernels (AVX2, FMA, F16C)");
 }

@@ -12,8 +12,6 @@
 #include "kernels2.h"
 
 #include <algorithm>
-#include <atomic>
-#include <cstdlib>
 #include <cmath>
 #include <cstring>
 
@@ -266,25 +264,9 @@ torch::Tensor row_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, t
 }
 
 namespace m2r2_avx2 {
-namespace {
-bool cpu_has_vl() {
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw");
-}
-bool vl_wanted() {
-  const char* off = std::getenv("M2R2_NO_VL_ATTENTION");
-  return cpu_has_vl() && !(off && off[0] == '1');
-}
-std::atomic<bool> vl_on{vl_wanted()};
-}  // namespace
-
-bool vl_attention_in_use() { return vl_on.load(std::memory_order_relaxed); }
-bool set_vl_attention(bool on) { return vl_on.exchange(on && cpu_has_vl()); }
-
 void attention_rows(const float* q, const void* k, const void* v, bool bf16, const int64_t* kv, const bool* mask,
                     int64_t mb, float* out, int64_t B, int64_t H, int64_t T, int64_t D, int64_t KVH, int64_t S, float sc) {
-  if (vl_attention_in_use())
-    attention_rows_vl(q, k, v, bf16, kv, mask, mb, out, B, H, T, D, KVH, S, sc);
-  else if (bf16)
+  if (bf16)
     run_rows(q, static_cast<const at::BFloat16*>(k), static_cast<const at::BFloat16*>(v), mask, out, B, H, T, D, KVH, S,
              kv, mb, sc);
   else
