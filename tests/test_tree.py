@@ -14,7 +14,7 @@ from tests.test_speculative import _exact_marginal, tiny_model
 
 from m2r2.decoding.autoregressive import Autoregressive
 from m2r2.decoding.base import GenerationConfig
-from m2r2.decoding.tree import Tree, TreeCosts, TreeSpeculative
+from m2r2.decoding.tree import Tree, TreeCosts, TreeSpeculative, TreeState, VerifyFit
 from m2r2.errors import InputError, SettingsError, WeightsError
 from m2r2.multirate.seeded import SeededConfig, SeededFastStream
 
@@ -124,8 +124,9 @@ def test_cost_model_declines_trees_that_do_not_pay_and_takes_them_when_verificat
     steep = TreeCosts(draft=[0.5] * 4, verify=[1.0 + 2.0 * k for k in range(9)])
     prompt, gen = [5, 6, 7], GenerationConfig(max_new_tokens=40)
     ref = Autoregressive(model, []).generate(prompt, gen).tokens
-    cheap = TreeSpeculative("m2r2", model, fast, [], None, 8, 5, 2, 2, costs=flat).generate(prompt, gen)
-    dear = TreeSpeculative("m2r2", model, fast, [], None, 8, 5, 2, 2, costs=steep).generate(prompt, gen)
+    fixed = {"online_costs": False}  # these costs are not seconds: no correcting them by the wall clock
+    cheap = TreeSpeculative("m2r2", model, fast, [], None, 8, 5, 2, 2, costs=flat, **fixed).generate(prompt, gen)
+    dear = TreeSpeculative("m2r2", model, fast, [], None, 8, 5, 2, 2, costs=steep, **fixed).generate(prompt, gen)
     assert cheap.tokens == ref and dear.tokens == ref
     assert cheap.stats["verify_rows_per_pass"] > 2.0
     assert dear.stats["verify_rows_per_pass"] == 1.0
@@ -135,8 +136,6 @@ def test_drafting_is_judged_by_the_wall_clock_not_only_by_the_modeled_costs():
     """A drafting round that gains one token but takes three plain rounds' time stops drafting, although
     the modeled costs (free draft levels, flat verification) say it pays; one gaining three keeps on.
     Synthetic round times: the accounting is tested, not this machine's speed."""
-    from m2r2.decoding.tree import TreeState
-
     model = tiny_model(12)
     costs = TreeCosts(draft=[0.001] * 4, verify=[1.0] * 9)
     strategy = TreeSpeculative("m2r2", model, seeded_stream(model, 1, 0.0, 12, fold=False), [], None, costs=costs)
@@ -148,6 +147,111 @@ def test_drafting_is_judged_by_the_wall_clock_not_only_by_the_modeled_costs():
             strategy._account(state, 0.030, gained, n_rows=4, steps=3)
         assert state.cost == pytest.approx(2.0, abs=0.2)
         assert strategy._worth_drafting(state) is expect
+
+
+#: a measured curve in seconds, convex as measured ones are (a 10 ms pass, rows dearer the more there are)
+MEASURED = TreeCosts(draft=[5e-4] * 4, verify=[0.010 * (1 + 0.04 * k + 0.004 * k * k) for k in range(9)])
+
+
+def _feed(fit: VerifyFit, passes: int, seconds) -> None:
+    """``passes`` verify passes over 1..6 rows in turn, each taking ``seconds(rows)``."""
+    for i in range(passes):
+        rows = 1 + i % 6
+        fit.add(rows, seconds(rows), MEASURED.verify[rows - 1])
+
+
+def test_the_online_verify_fit_recovers_base_and_slope_and_corrects_the_measured_curve():
+    fit = VerifyFit()
+    assert fit.corrected(MEASURED) is MEASURED  # nothing observed: the measured curve stands
+    for _ in range(40):
+        fit.add(4, 0.03, MEASURED.verify[3])
+    assert fit.scales() is None  # passes of one size say nothing of the slope
+    # a linear in-situ cost (a 20 ms pass, 4 ms a row) against a linear measured curve: corrected exactly
+    linear = TreeCosts(draft=[5e-4] * 4, verify=[0.010 + 0.001 * k for k in range(9)])
+    fit = VerifyFit()
+    for i in range(7):
+        fit.add(1 + i % 6, 0.020 + 0.004 * (i % 6), linear.verify[i % 6])
+    assert fit.scales() is None  # too few passes
+    for i in range(7, 40):
+        fit.add(1 + i % 6, 0.020 + 0.004 * (i % 6), linear.verify[i % 6])
+    base, per_row, *_ = fit.fit()
+    assert base == pytest.approx(0.020) and per_row == pytest.approx(0.004)
+    assert fit.scales() == pytest.approx((2.0, 4.0))
+    assert fit.corrected(linear).verify == pytest.approx([0.020 + 0.004 * k for k in range(9)])
+    assert fit.corrected(linear).draft == pytest.approx([2.0 * d for d in linear.draft])  # levels scale as one row
+    # passes costing the measured curve times 1.5: the whole curve, shape and all, times 1.5
+    fit = VerifyFit()
+    _feed(fit, 40, lambda rows: 1.5 * MEASURED.verify[rows - 1])
+    assert fit.scales() == pytest.approx((1.5, 1.5))
+    assert fit.corrected(MEASURED).verify == pytest.approx([1.5 * v for v in MEASURED.verify])
+    # rows that seem to save time are clamped to free; a stalled pass is counted at three times its cost
+    fit = VerifyFit()
+    _feed(fit, 40, lambda rows: 0.012 - 0.001 * rows)
+    assert fit.fit()[1] == 0.0 and fit.fit()[0] > 0
+    fit = VerifyFit()
+    fit.add(1, 10.0, 0.010)
+    assert fit.sums[3] == pytest.approx(0.030)
+
+
+def test_rows_dearer_in_situ_than_measured_make_choose_verify_fewer():
+    """A sequence whose verify passes show each extra row costing half a pass (a long context) verifies
+    fewer rows of the same tree than the measured curve (a row at 4-7% of a pass) says; with
+    ``online_costs`` off, or before its passes have been seen, it verifies what the measured curve says."""
+    model = tiny_model(12)
+    fast = seeded_stream(model, 1, 0.0, 12, fold=False)
+    chain = Tree(list(range(9)), list(range(-1, 8)), list(range(9)), [0.9**d for d in range(9)])
+    online = TreeSpeculative("m2r2", model, fast, [], None, costs=MEASURED)
+    fixed = TreeSpeculative("m2r2", model, fast, [], None, costs=MEASURED, online_costs=False)
+    state = TreeState()
+    measured = online.choose(chain, 8, 1.0, 2, online.costs_for(state))
+    assert len(measured) == 9  # all 8 drafts pay at the measured costs
+    _feed(state.verify_fit, 30, lambda rows: 0.010 + 0.005 * (rows - 1))
+    steep = online.costs_for(state)
+    assert steep.verify[0] == pytest.approx(0.010, rel=0.05) and steep.verify[8] > 3 * MEASURED.verify[8]
+    rows = online.choose(chain, 8, 1.0, 2, steep)
+    assert 1 < len(rows) < len(measured) and rows == list(range(len(rows)))
+    assert online._level_cost(steep) > online._level_cost()  # and drafting deeper pays off later
+    assert fixed.costs_for(state) is MEASURED
+    assert fixed.choose(chain, 8, 1.0, 2, fixed.costs_for(state)) == measured
+
+
+@pytest.mark.parametrize("seed", [3, 9])
+@pytest.mark.parametrize("slope", [0.0, 0.01])
+def test_greedy_trees_stay_plain_greedy_with_online_costs(seed, slope):
+    """Costs corrected from the first round (a sequence started with a fitted estimate of free or steep
+    rows) and then by the rounds' own timings: the trees change, the tokens do not, and every greedy
+    verify pass is observed."""
+    rng = random.Random(seed)
+    model = tiny_model(seed)
+    fast = seeded_stream(model, 2, 0.1, seed, fold=True, gated=seed >= 9)
+    strat = TreeSpeculative("m2r2", model, fast, [], None, 8, 5, 2, 2, costs=MEASURED, lookup=4)
+    states: list[TreeState] = []
+
+    def make_drafter(cache) -> TreeState:
+        states.append(TreeState())
+        _feed(states[-1].verify_fit, 12, lambda rows: 0.010 + slope * (rows - 1))
+        return states[-1]
+
+    strat.make_drafter = make_drafter
+    for _ in range(3):
+        prompt = [rng.randrange(64) for _ in range(rng.randint(1, 30))]
+        gen = GenerationConfig(max_new_tokens=rng.randint(20, 60))
+        ref = Autoregressive(model, []).generate(prompt, gen)
+        out = strat.generate(prompt, gen)
+        assert out.tokens == ref.tokens and out.stop_reason == ref.stop_reason
+        assert states[-1].verify_fit.passes == 12 + out.stats["verify_passes"]
+        assert out.stats["verify_scaled_share"] > 0 and out.stats["verify_scale_base"] > 0
+        assert out.stats["verify_scale_row"] >= 0
+
+
+def test_online_costs_is_a_method_option_taking_0_and_1():
+    from m2r2.decoding import check_options
+
+    assert check_options("m2r2", {"online_costs": 0}) == {"online_costs": False}
+    assert check_options("m2r2", {"online_costs": True}) == {"online_costs": True}
+    for bad in (2, "maybe"):
+        with pytest.raises(SettingsError, match=r"^online_costs must be"):
+            check_options("m2r2", {"online_costs": bad})
 
 
 @pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.7, 4, 0.9)])

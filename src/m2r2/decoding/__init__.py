@@ -129,6 +129,8 @@ def _typed(option: str, kinds: set[str], value: Any) -> Any:
     number = isinstance(value, int | float) and not isinstance(value, bool)
     if "bool" in kinds and isinstance(value, bool):
         return value
+    if "bool" in kinds and "int" not in kinds and number and value in (0, 1):
+        return bool(value)  # ``--option online_costs=0``
     if "int" in kinds and number and float(value).is_integer():
         return int(value)
     if "float" in kinds and number:

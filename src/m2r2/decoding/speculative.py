@@ -320,8 +320,11 @@ def _m2r2(
     branch: int = 2,
     lookup: int = DEFAULT_LOOKUP,
     answers: str | None = None,
+    online_costs: bool = True,
 ) -> SelfSpeculative | TreeSpeculative:
-    """Seeded adapters (the shipped default where they exist) draft token trees; prefix adapters draft chains."""
+    """Seeded adapters (the shipped default where they exist) draft token trees; prefix adapters draft chains.
+    ``online_costs``: trees correct the measured verify costs by each answer's own passes
+    (:class:`m2r2.decoding.tree.VerifyFit`)."""
     from m2r2.multirate.io import bundled_adapters, load_default
     from m2r2.multirate.seeded import SeededFastStream
 
@@ -330,7 +333,8 @@ def _m2r2(
     if isinstance(fast, SeededFastStream):
         drafter = SeededDrafter(fast.to(engine.model.device).freeze(merge=True))
         tree = (max_nodes, max_depth, width, branch, lookup)
-        return build_tree_speculative("m2r2", engine, drafter, adaptive, cost_cache, *tree, answers=answers)
+        extra = {"answers": answers, "online_costs": online_costs}
+        return build_tree_speculative("m2r2", engine, drafter, adaptive, cost_cache, *tree, **extra)
     return build_self_speculative("m2r2", engine, fast, max_draft, stop_below, use_arla, adaptive, cost_cache)
 
 

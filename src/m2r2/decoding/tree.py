@@ -12,7 +12,9 @@ EAGLE head fuses each node's token with its parent's predicted final state, atte
 of the verified positions' true states (which it is handed after every verify pass). The
 tree kept for verification is the most probable nodes, as many as maximise expected tokens per
 second under measured costs (the drafter's start, draft levels and verify passes of k rows; a path's
-probability, calibrated online by how often drafts are accepted, is its chance of being accepted).
+probability, calibrated online by how often drafts are accepted, is its chance of being accepted;
+the verify costs, measured once at a short context, are corrected online by each sequence's own
+passes, :class:`VerifyFit`).
 Copied chains join the same tree: prompt lookup's (:mod:`m2r2.decoding.lookup`) and, in rounds where
 it has nothing, the answer store's (:mod:`m2r2.decoding.answer_store`: the model's own phrasing from
 its answers to training prompts, each token weighed by how sure the store is of it; offered beside
@@ -129,6 +131,77 @@ class Tree:
         return m
 
 
+class VerifyFit:
+    """A sequence's in-situ verify cost, fitted online from its own verify passes as ``seconds ~ base +
+    per_row * (rows - 1)``, and the correction it makes to the measured curve (:class:`TreeCosts`).
+
+    Why: the curve is timed once, at a 128-token context, and kept for a day; real contexts run to
+    200-800 tokens, where attention makes each extra row dearer, and the VM's speed drifts, so it
+    can be off for a whole run. Exponentially weighted least squares (decay 0.95: about the last 20
+    passes) follows the growing context. The fit corrects the curve rather than replacing it: the same
+    weighted regression is run on the measured costs of the same row counts, and the curve's first
+    pass and its increments over it are scaled by the ratios of the two intercepts and of the two
+    slopes (:meth:`scales`). That is exact when the passes cost the measured ones times a constant,
+    and keeps the curve's measured shape (convex, with BLAS blocking steps) beyond the rows observed.
+    Until 8 passes of some spread in rows have been seen (passes of one size say nothing of the
+    slope) the measured curve stands; it stands again after a long run of one size, which lets rows
+    the fit had priced out be tried again.
+    """
+
+    decay = 0.95
+    min_passes = 8
+    min_spread = 0.25  # weighted variance of rows - 1 below which the slope is not identifiable
+    stall = 3.0  # a pass is counted at most this times its measured cost (a preemption must not drag the fit)
+
+    def __init__(self) -> None:
+        self.passes = 0
+        self.sums = [0.0] * 7  # weighted sums of 1, x, x^2, y, x y, m, x m (x: rows - 1, y: seconds, m: measured)
+        self.used = [0, 0.0, 0.0]  # passes decided with corrected costs, sums of their two scales (statistics)
+
+    def add(self, rows: int, seconds: float, measured: float) -> None:
+        """One verify pass over ``rows`` rows took ``seconds``; the measured curve says ``measured``."""
+        x, y = rows - 1, min(seconds, self.stall * measured)
+        terms = (1.0, x, x * x, y, x * y, measured, x * measured)
+        self.sums = [self.decay * s + t for s, t in zip(self.sums, terms, strict=True)]
+        self.passes += 1
+
+    def fit(self) -> tuple[float, float, float, float] | None:
+        """``(base, per_row, base_measured, per_row_measured)``: the weighted lines through the in-situ
+        seconds and through the measured costs of the same rows, or None while the slope is unknown."""
+        if self.passes < self.min_passes:
+            return None
+        _, sx, sxx, sy, sxy, sm, sxm = (s / self.sums[0] for s in self.sums)  # weighted means
+        var = sxx - sx * sx
+        if var < self.min_spread:
+            return None
+        per_row, per_row_m = (sxy - sx * sy) / var, (sxm - sx * sm) / var
+        base, base_m = sy - per_row * sx, sm - per_row_m * sx
+        if per_row < 0:  # rows cannot save time: the best flat line
+            base, per_row = sy, 0.0
+        base = max(base, 0.1 * sy)  # a one-row pass runs every weight once: never near free
+        if base_m <= 0:
+            return None
+        return base, per_row, base_m, max(per_row_m, 0.02 * base_m)  # a flat curve: no slope to scale
+
+    def scales(self) -> tuple[float, float] | None:
+        """``(s0, s1)``: in-situ over measured, of a one-row pass and of a row's increment."""
+        f = self.fit()
+        return None if f is None else (f[0] / f[2], f[1] / f[3])
+
+    def corrected(self, costs: TreeCosts) -> TreeCosts:
+        """``costs`` with ``verify[k-1]`` as ``s0 verify[0] + s1 (verify[k-1] - verify[0])`` (the measured
+        curve while unfitted), all in seconds. Draft levels and the start scale with ``s0`` as a one-row
+        pass does: a level attends the same context and runs on the same (drifting) machine, and left
+        as measured it would look cheaper than it is wherever passes grew dearer."""
+        s = self.scales()
+        if s is None:
+            return costs
+        self.used = [self.used[0] + 1, self.used[1] + s[0], self.used[2] + s[1]]
+        v0 = costs.verify[0]
+        verify = [s[0] * v0 + s[1] * (v - v0) for v in costs.verify]
+        return TreeCosts([s[0] * d for d in costs.draft], verify, s[0] * costs.start)
+
+
 #: where a sequence's answer-store calibration starts: replayed on MT-Bench answers, a store token was
 #: right 0.6-0.8 times as often as its share says (experiments/answer_store_replay.out.txt)
 ANSWER_CALIB = 0.75
@@ -158,6 +231,7 @@ class TreeState:
     exits: int = 0  # lossy exits (``exit_threshold``): drafts accepted on the fast stream's confidence
     exits_agreed: int = 0  # ... whose token the full model would have chosen too
     overrides: int = 0  # ... accepted although the full model chose another token
+    verify_fit: VerifyFit = field(default_factory=VerifyFit)  # in-situ verify costs (``online_costs``)
 
 
 class TreeDrafter(Protocol):
@@ -276,6 +350,7 @@ class TreeSpeculative:
         lookup: int = 0,
         exit_threshold: float | None = None,
         answers: AnswerStore | None = None,
+        online_costs: bool = True,
     ) -> None:
         limit = min(CACHE_SLACK, ROW_INVARIANT_MAX_ROWS) - 1
         if not 1 <= max_nodes <= limit:
@@ -290,6 +365,8 @@ class TreeSpeculative:
         self.name, self.model, self.drafter, self.eos_ids, self.decode = name, model, drafter, eos_ids, decode
         self.max_nodes, self.max_depth, self.width, self.branch = max_nodes, max_depth, width, branch
         self.costs, self.lookup, self.answers = costs, lookup, answers
+        #: correct the measured verify costs by each sequence's own verify passes (:class:`VerifyFit`)
+        self.online_costs = online_costs
         #: base layers whose outputs the drafter fuses into its seeds (a tapped seeded stream), else []
         self.taps: list[int] = list(getattr(drafter, "taps", []))
         #: lossy dynamic compute (``m2r2-dynamic``): a draft whose own probability reaches this exits at the
@@ -309,14 +386,22 @@ class TreeSpeculative:
 
     # ---- drafting -------------------------------------------------------------------------------
     def draft(
-        self, h_last: Tensor, tok: int, cache: KVCache, room: int, gen: GenerationConfig, calib: float = 1.0
+        self,
+        h_last: Tensor,
+        tok: int,
+        cache: KVCache,
+        room: int,
+        gen: GenerationConfig,
+        calib: float = 1.0,
+        costs: TreeCosts | None = None,
     ) -> Tree:
         """Grow a tree under ``tok`` (node 0) for at most ``room`` nodes besides the root.
 
-        With measured costs, a level is only drafted while its best open node's calibrated path
-        probability exceeds what one more draft step and one more verify row cost (in steps): deeper
-        drafts would not pay for themselves.
+        With costs (the sequence's, :meth:`costs_for`; by default the measured ones), a level is only
+        drafted while its best open node's calibrated path probability exceeds what one more draft step
+        and one more verify row cost (in steps): deeper drafts would not pay for themselves.
         """
+        costs = self.costs if costs is None else costs
         greedy = gen.greedy
         width, branch = (self.width, self.branch) if greedy else (1, 1)
         # a seeded drafter keeps each level's fast K/V in the cache's free slots: 1 + width per later level
@@ -351,19 +436,21 @@ class TreeSpeculative:
             frontier = new[:width]
             if not frontier or len(tree.tokens) - 1 >= self.max_nodes * 2:
                 break
-            if greedy and self.costs is not None and calib * tree.scores[frontier[0]] < self._level_cost():
+            if greedy and costs is not None and calib * tree.scores[frontier[0]] < self._level_cost(costs):
                 break
         return tree
 
-    def choose(self, tree: Tree, room: int, calib: float, draft_steps: int) -> list[int]:
+    def choose(
+        self, tree: Tree, room: int, calib: float, draft_steps: int, costs: TreeCosts | None = None
+    ) -> list[int]:
         """Tree rows to verify: the root plus the most probable nodes, as many as maximise the expected
-        tokens per second (the top-n set by path probability is closed under ancestors: a child's
-        probability never exceeds its parent's, and a stable sort keeps a parent, created first, ahead
-        on ties)."""
+        tokens per second under ``costs`` (the sequence's, :meth:`costs_for`; by default the measured
+        ones). The top-n set by path probability is closed under ancestors: a child's probability never
+        exceeds its parent's, and a stable sort keeps a parent, created first, ahead on ties."""
         order = sorted(range(1, len(tree.tokens)), key=lambda r: -tree.value(r, calib))[: min(self.max_nodes, room)]
-        if self.costs is None:
+        c = self.costs if costs is None else costs
+        if c is None:
             return [0, *sorted(order)]
-        c = self.costs
         # drafting already spent (it scales every rate); a round of copies alone spent nothing
         draft_s = (c.start + draft_steps * c.draft[min(self.width, len(c.draft)) - 1]) if draft_steps else 0.0
         best_n, best_rate, gain = 0, 1.0 / (draft_s + c.verify[0]), 0.0
@@ -379,6 +466,13 @@ class TreeSpeculative:
     # ---- the loop -------------------------------------------------------------------------------
     #: the server's scheduler starts every sequence's running acceptance here (unused by trees)
     prior_accept = 1.0
+
+    def costs_for(self, state: TreeState) -> TreeCosts | None:
+        """The costs a round of ``state``'s sequence decides with: the measured ones, corrected by its
+        own verify passes (:class:`VerifyFit`) unless ``online_costs`` is off."""
+        if self.costs is None or not self.online_costs:
+            return self.costs
+        return state.verify_fit.corrected(self.costs)
 
     def make_drafter(self, cache: KVCache) -> TreeState:
         """Per-sequence drafting state; ``h_last`` is set from the prefill (or a batched step)."""
@@ -424,7 +518,7 @@ class TreeSpeculative:
             emitted, *_ = self.round(state, cache, tok, stopper, 1.0, gen, sampler)
             tok = emitted[-1]
         ntok = max(len(stopper.tokens), 1)
-        passes = state.passes
+        passes, fit = state.passes, state.verify_fit
         n_layers = model.cfg.num_layers
         return GenerationResult(
             tokens=stopper.tokens,
@@ -459,6 +553,15 @@ class TreeSpeculative:
                     if self.costs is not None
                     else {}
                 ),
+                **(
+                    {  # the online correction of the verify costs, averaged over the passes it decided
+                        "verify_scale_base": fit.used[1] / fit.used[0] if fit.used[0] else None,
+                        "verify_scale_row": fit.used[2] / fit.used[0] if fit.used[0] else None,
+                        "verify_scaled_share": fit.used[0] / passes if passes else 0.0,
+                    }
+                    if self.costs is not None and self.online_costs
+                    else {}
+                ),
             },
         )
 
@@ -486,9 +589,10 @@ class TreeSpeculative:
         verified = cache.length
         room = min(stopper.budget - len(stopper.tokens) - 1, cache.max_len - verified - 1, self.max_nodes)
         rows, steps = [0], 0
+        costs = self.costs_for(state)
         tree = Tree([tok], [-1], [0], [1.0], [None])
         if room > 0 and self._worth_drafting(state):
-            tree = self.draft(state.h_last, tok, cache, room, gen, state.calib)
+            tree = self.draft(state.h_last, tok, cache, room, gen, state.calib, costs)
             steps = max(tree.depths)
             state.draft_steps += steps
         looked: list[int] = []  # prompt lookup's chain (nodes)
@@ -505,8 +609,9 @@ class TreeSpeculative:
                 nodes = tree.add_copies(chain, [min(1.0, state.answer_calib * p) for p in sure])
                 stored = list(zip(nodes, sure, strict=True))
         if len(tree.tokens) > 1:
-            rows = self.choose(tree, room, state.calib, steps) if gen.greedy else self._chain(tree, room)
+            rows = self.choose(tree, room, state.calib, steps, costs) if gen.greedy else self._chain(tree, room)
         n_rows = len(rows)
+        verify_started = time.perf_counter()
         ids = torch.tensor([[tree.tokens[r] for r in rows]], device=model.device)
         layers: list[Tensor] | None = [] if self.taps else None
         if n_rows == 1 or _is_chain(tree, rows):
@@ -517,6 +622,9 @@ class TreeSpeculative:
             mask = torch.cat([torch.ones(n_rows, verified, dtype=torch.bool), vis], dim=1).to(model.device)
             h = model.run_layers(model.embed_tokens(ids), cache, verified, layers, positions=positions, mask=mask)
         out = head_argmax(model, h)[0] if gen.greedy else model.head(h)[0]
+        if self.online_costs and self.costs is not None and gen.greedy:  # as measured: a greedy pass
+            measured = self.costs.verify[min(n_rows, len(self.costs.verify)) - 1]
+            state.verify_fit.add(n_rows, time.perf_counter() - verify_started, measured)
         lossy = self.exit_threshold if gen.greedy else None  # sampled requests (the server's) stay exact
         path, nxt = self._accept(tree, rows, out, gen, sampler, lossy)
         n = len(path) - 1
@@ -606,9 +714,10 @@ class TreeSpeculative:
             state.context.extend([tok])
         state.h_last = h
 
-    def _level_cost(self) -> float:
-        """One more draft level plus one more verify row, in one-token steps."""
-        c = self.costs
+    def _level_cost(self, costs: TreeCosts | None = None) -> float:
+        """One more draft level plus one more verify row, in one-token steps (of ``costs``, by default
+        the measured ones)."""
+        c = self.costs if costs is None else costs
         assert c is not None
         extra_row = (c.verify[1] - c.verify[0]) if len(c.verify) > 1 else 0.0
         return (c.draft[min(self.width, len(c.draft)) - 1] + extra_row) / c.verify[0]
@@ -750,11 +859,13 @@ def build_tree_speculative(
     lookup: int = 0,
     exit_threshold: float | None = None,
     answers: str | None = None,
+    online_costs: bool = True,
 ) -> TreeSpeculative:
     """A :class:`TreeSpeculative` drafting with ``drafter`` (in its inference form) and measured costs
-    (``adaptive``; kept per machine and drafter shape in ``$M2R2_CACHE/costs`` for a day when ``cost_cache``),
-    plus up to ``lookup`` tokens of prompt lookup per round (0 = off; :mod:`m2r2.decoding.lookup`), lossy
-    exits at ``exit_threshold`` (None = lossless)."""
+    (``adaptive``; kept per machine and drafter shape in ``$M2R2_CACHE/costs`` for a day when ``cost_cache``;
+    corrected by each sequence's own verify passes when ``online_costs``, :class:`VerifyFit`), plus up to
+    ``lookup`` tokens of prompt lookup per round (0 = off; :mod:`m2r2.decoding.lookup`), lossy exits at
+    ``exit_threshold`` (None = lossless)."""
     model = engine.model
     costs = None
     if adaptive:
@@ -767,5 +878,5 @@ def build_tree_speculative(
         costs = cached_costs(path, measure, _tree_costs) if cost_cache else measure()
     tok = engine.tokenizer
     store = answer_store_for(engine.fingerprint, answers) if lookup else None
-    tree = (max_nodes, max_depth, width, branch, costs, lookup, exit_threshold, store)
+    tree = (max_nodes, max_depth, width, branch, costs, lookup, exit_threshold, store, online_costs)
     return TreeSpeculative(name, model, drafter, tok.eos_ids, tok.decode, *tree)
