@@ -22,15 +22,15 @@ def test_it_keeps_each_ngrams_most_frequent_follower_and_its_share_and_proposes_
     answers = [[1, 2, 3, 4, 5], [1, 2, 3, 4, 6], [9, 2, 3, 4, 6], [7, 3, 4, 8], [7, 3, 4, 8], [7, 7]]
     store = AnswerStore.build(answers, min_count=2)
     # (2, 3, 4) was followed by 5 once and 6 twice; (3, 4) by 5, 6, 6, 8, 8: a tie, the smaller id wins
-    assert store.tables[3][(2, 3, 4)] == (6, 170 / 255)  # 2 of 3 followers, in 8 bits
-    assert store.tables[2][(3, 4)] == (6, 102 / 255)  # 2 of 5
-    assert (1, 2, 3, 4) not in store.tables[4]  # seen once: below min_count
-    assert store.tables[4] == {}
-    assert AnswerStore.build(answers, min_count=1).tables[4][(1, 2, 3, 4)] == (5, 128 / 255)  # 5 or 6: a tie
+    assert store.get((2, 3, 4)) == (6, 170 / 255)  # 2 of 3 followers, in 8 bits
+    assert store.get((3, 4)) == (6, 102 / 255)  # 2 of 5
+    assert store.get((1, 2, 3, 4)) is None  # seen once: below min_count
+    assert len(store.grams[4]) == 0
+    assert AnswerStore.build(answers, min_count=1).get((1, 2, 3, 4)) == (5, 128 / 255)  # 5 or 6: a tie
     # the longest n-gram ending the context decides; proposals chain on their own tokens
     assert store.propose([0, 2, 3, 4], 3) == ([6], [170 / 255])  # (3, 4, 6) never seen twice: the chain stops
     assert store.propose([7, 3], 2) == ([4, 6], [1.0, 102 / 255])  # (7, 3) -> 4, then (3, 4) -> 6
-    assert store.tables[3][(7, 3, 4)] == (8, 1.0)
+    assert store.get((7, 3, 4)) == (8, 1.0)
     assert store.propose([5, 7, 3], 2) == ([4, 8], [1.0, 1.0])
     assert store.propose([5, 7, 3], 1) == ([4], [1.0])
     assert store.propose([42, 43], 4) == ([], []) and store.propose([], 4) == ([], [])
@@ -42,7 +42,7 @@ def test_the_file_round_trips_and_refuses_another_model_or_a_damaged_file(tmp_pa
     store = AnswerStore.build([[1, 2, 3, 4, 5, 6]] * 2 + [[2, 3, 9]] * 3)
     path = save_answer_store(tmp_path / "a.safetensors", store, "fp-a", answers=5)
     back = load_answer_store(path, "fp-a")
-    assert back.tables == store.tables and len(back) == len(store) > 0
+    assert back.entries() == store.entries() and len(back) == len(store) > 0
     assert json.loads(path.with_suffix(".json").read_text())["answers"] == 5
     for ids, dtype in (
         ([40000, 65535, 3] * 3, torch.int16),
@@ -50,7 +50,7 @@ def test_the_file_round_trips_and_refuses_another_model_or_a_damaged_file(tmp_pa
     ):  # 16-bit ids: half the file
         wide = AnswerStore.build([ids], min_count=1)
         assert wide.to_tensors()["grams2"].dtype == dtype
-        assert load_answer_store(save_answer_store(tmp_path / "w", wide, "fp-a"), "fp-a").tables == wide.tables
+        assert load_answer_store(save_answer_store(tmp_path / "w", wide, "fp-a"), "fp-a").entries() == wide.entries()
     with pytest.raises(WeightsError, match="another base model"):
         load_answer_store(path, "fp-b")
     with pytest.raises(InputError, match="no follower shares"):  # a store built before shares were kept
@@ -126,3 +126,70 @@ def test_real_model_ships_an_answer_store_whose_copies_keep_the_output_vanilla(r
     assert on.tokens == off.tokens == ref
     assert e.strategy("m2r2").answers is not None and e.strategy("m2r2", answers="none").answers is None
     assert on.stats["copied_accepted_per_token"] > off.stats["copied_accepted_per_token"]
+
+
+def test_lookups_match_a_plain_count_and_wide_ids_that_share_a_key_stay_apart():
+    """The packed-key tables answer what a plain count of the answers says, for every n-gram seen and
+    for unseen ones; ids beyond 16 bits wrap the key, and rows that share it are told apart."""
+    rng = random.Random(3)
+    answers = [[rng.randrange(12) for _ in range(rng.randint(3, 40))] for _ in range(60)]
+    store = AnswerStore.build(answers, min_count=2)
+    followers: dict[tuple[int, ...], dict[int, int]] = {}
+    for a in answers:
+        for n in (2, 3, 4):
+            for i in range(len(a) - n):
+                f = followers.setdefault(tuple(a[i : i + n]), {})
+                f[a[i + n]] = f.get(a[i + n], 0) + 1
+    kept = 0
+    for gram, f in followers.items():
+        best = min(f, key=lambda t: (-f[t], t))
+        want = (best, round(f[best] / sum(f.values()) * 255) / 255) if f[best] >= 2 else None
+        assert store.get(gram) == want
+        kept += want is not None
+    assert kept == len(store) > 100
+    assert store.get((99, 98)) is None and store.get((1,)) is None
+    # (1, 0) and (0, 65536) pack to the same 16-bit-a-token key
+    wide = AnswerStore.build([[1, 0, 7]] * 2 + [[0, 65536, 8]] * 2, min_count=2)
+    assert wide.get((1, 0)) == (7, 1.0) and wide.get((0, 65536)) == (8, 1.0) and wide.get((2, 0)) is None
+    assert wide.propose([5, 0, 65536], 2) == ([8], [1.0])
+
+
+def test_a_store_laid_over_another_keeps_its_followers_and_takes_the_others_new_ngrams():
+    own = AnswerStore.build([[1, 2, 3, 4]] * 2)
+    corpus = AnswerStore.build([[1, 2, 9, 9]] * 3 + [[5, 6, 7]] * 2)
+    both = own.over(corpus)
+    assert both.get((1, 2)) == (3, 1.0)  # own phrasing decides where it has any
+    assert both.get((5, 6)) == (7, 1.0) and both.get((2, 9)) == (9, 1.0)  # the corpus fills the rest
+    assert len(both) == len(set(own.entries()) | set(corpus.entries()))
+    assert both.propose([0, 5, 6], 3) == ([7], [1.0]) and both.propose([0, 1, 2], 3) == ([3, 4], [1.0, 1.0])
+
+
+def test_the_command_counts_a_corpus_and_lays_a_store_over_it(tmp_path, tiny_model, capsys):
+    from m2r2.cli import main
+
+    model_dir = str(tiny_model(0))
+    data = tmp_path / "answers.jsonl"
+    data.write_text(json.dumps({"id": "0", "prompt_ids": [1], "answer_ids": [5, 6, 7, 8] * 2}) + "\n")
+    conv = tmp_path / "conversations.jsonl"
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a b c d a b c d"}]
+    conv.write_text(json.dumps({"id": "c", "messages": turns}) + "\n")
+    first = tmp_path / "own.safetensors"
+    assert main(["answer-store", "--data", str(data), "--out", str(first), "--model", model_dir]) == 0
+    capsys.readouterr()
+    out = tmp_path / "both.safetensors"
+    args = ["answer-store", "--data", str(data), "--corpus", str(conv), "--over", str(first), "--out", str(out)]
+    assert main([*args, "--model", model_dir]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    own = load_answer_store(first, json.loads(first.with_suffix(".json").read_text())["base_fingerprint"])
+    assert report["responses"] == 1 and report["response_tokens"] > 0 and report["entries"] > len(own)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "x"}\n')
+    assert main(["answer-store", "--data", str(data), "--corpus", str(bad), "--out", str(out), "--model", "/x"]) != 0
+    assert "not a conversation" in capsys.readouterr().err  # about the corpus, before any model loads
+    assert main(["answer-store", "--data", str(data), "--over", str(tmp_path / "no"), "--out", str(out)]) != 0
+    assert "no such answer store" in capsys.readouterr().err
+    assert main(["answer-store", "--data", "--out", str(out), "--model", "/x"]) != 0
+    assert "nothing to count" in capsys.readouterr().err
+    only = tmp_path / "corpus-only.safetensors"  # a model with no own answers yet: the corpus alone
+    assert main(["answer-store", "--corpus", str(conv), "--out", str(only), "--model", model_dir]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["answers"] == 0

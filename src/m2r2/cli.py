@@ -502,19 +502,47 @@ def cmd_draft_vocab(args: argparse.Namespace) -> int:
 
 
 def cmd_answer_store(args: argparse.Namespace) -> int:
-    from m2r2.decoding.answer_store import AnswerStore, read_answers, save_answer_store
+    from tqdm import tqdm
 
-    if args.min_count < 1:
-        raise SettingsError(f"--min-count must be >= 1, got {args.min_count}")
-    paths = [Path(p) for p in args.data]
-    answers = read_answers(paths)  # bad input fails before the model loads
-    engine = _engine(args, quiet=True)
-    store = AnswerStore.build(answers, args.min_count)
-    tokens = sum(map(len, answers))
-    out = save_answer_store(
-        Path(args.out), store, engine.fingerprint, data=[str(p) for p in paths], answers=len(answers), tokens=tokens
+    from m2r2.decoding.answer_store import (
+        AnswerStore,
+        load_answer_store,
+        read_answers,
+        read_responses,
+        save_answer_store,
     )
-    print(json.dumps({"answer_store": str(out), "answers": len(answers), "tokens": tokens, "entries": len(store)}))
+
+    if args.min_count < 1 or args.own_weight < 1:
+        raise SettingsError(f"--min-count and --own-weight must be >= 1, got {args.min_count} and {args.own_weight}")
+    paths = [Path(p) for p in (args.data if args.data is not None else [] if args.corpus else [DEFAULT_ANSWERS])]
+    answers = read_answers(paths) if paths else []  # bad input fails before the model loads
+    texts = [t for c in args.corpus for t in read_responses(Path(c))]
+    if not answers and not texts:
+        raise InputError("nothing to count: give --data answers and/or a --corpus")
+    if args.over is not None and not Path(args.over).is_file():
+        raise InputError(f"--over {args.over}: no such answer store")
+    engine = _engine(args, quiet=True)
+    responses = []
+    for i in tqdm(range(0, len(texts), 2048), desc="tokenizing responses", disable=not texts, unit="batch"):
+        responses += engine.tokenizer.hf(texts[i : i + 2048], add_special_tokens=False)["input_ids"]
+    store = AnswerStore.build(answers * args.own_weight + responses, args.min_count)
+    if args.over is not None:
+        store = load_answer_store(Path(args.over), engine.fingerprint).over(store)
+    tokens = sum(map(len, answers))
+    info = {"answers": len(answers), "tokens": tokens, "responses": len(responses)}
+    info["response_tokens"] = sum(map(len, responses))
+    out = save_answer_store(
+        Path(args.out),
+        store,
+        engine.fingerprint,
+        data=[str(p) for p in paths],
+        corpus=list(args.corpus),
+        over=args.over,
+        own_weight=args.own_weight,
+        min_count=args.min_count,
+        **info,
+    )
+    print(json.dumps({"answer_store": str(out), **info, "entries": len(store)}))
     return 0
 
 
@@ -778,16 +806,34 @@ def build_parser() -> argparse.ArgumentParser:
 
     an = sub.add_parser(
         "answer-store",
-        help="build an answer store (n-grams of the model's own answers) that tree methods also draft from",
+        help="build an answer store (n-grams of the model's own answers and a corpus's responses) that tree "
+        "methods also draft from",
         description="Counts the 4-, 3- and 2-grams of the base model's own answers to training prompts (`m2r2 "
-        "distill-data` files) and keeps, for each seen at least --min-count times, the token that most often "
-        "followed it. `m2r2`, `eagle` and `medusa` offer its continuation in rounds where prompt lookup has "
-        "nothing to copy (option answers=FILE; by default the store shipped for the base model; answers=none "
-        "turns it off). Greedy output stays the plain greedy output: every proposed token is verified.",
+        "distill-data` files), and of the assistant turns of --corpus conversations if given (REST's datastore: "
+        "more text, not this model's phrasing, so each own answer counts --own-weight times), and keeps, for each "
+        "seen at least --min-count times, the token that most often followed it. --over lays an existing store "
+        "on top: its n-grams keep their followers, the new data adds the ones it lacks. `m2r2`, `eagle` and "
+        "`medusa` offer its continuation in rounds where prompt lookup has nothing to copy (option answers=FILE; "
+        "by default the store shipped for the base model; answers=none turns it off). Greedy output stays the "
+        "plain greedy output: every proposed token is verified.",
     )
     an.add_argument(
-        "--data", nargs="+", default=[str(DEFAULT_ANSWERS)], help="distilled answers JSONL files (m2r2 distill-data)"
+        "--data",
+        nargs="*",
+        default=None,
+        help=f"distilled answers JSONL files (m2r2 distill-data; default {DEFAULT_ANSWERS}, or none with --corpus)",
     )
+    an.add_argument(
+        "--corpus",
+        nargs="*",
+        default=[],
+        help="conversations JSONL files whose assistant turns are counted too (e.g. "
+        "../shared/data/train/conversations.jsonl)",
+    )
+    an.add_argument(
+        "--own-weight", type=int, default=4, help="times each own answer counts against --corpus text (default 4)"
+    )
+    an.add_argument("--over", default=None, help="an answer store whose n-grams take precedence over the new ones")
     an.add_argument("--min-count", type=int, default=2, help="keep n-grams seen at least this often (default 2)")
     an.add_argument("--out", required=True, help="NAME.safetensors (+ NAME.json) to write")
     _add_model_args(an)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -41,14 +42,27 @@ ORDERS = (4, 3, 2)
 
 #: a follower's share of what followed its n-gram is stored in 8 bits (k / 255)
 SHARE_STEPS = 255
+MASK64 = (1 << 64) - 1
 
 
 class AnswerStore:
-    """``tables[n]``: n-gram (tuple of token ids) -> (the token that most often followed it, that token's
-    share of the n-gram's followers, k / 255)."""
+    """Per order n: the kept n-grams (rows of ``grams[n]``), each one's most frequent follower
+    ``next[n]`` and that follower's share of the n-gram's followers (``share[n]``, k / 255).
 
-    def __init__(self, tables: dict[int, dict[tuple[int, ...], tuple[int, float]]]) -> None:
-        self.tables = {n: tables.get(n, {}) for n in ORDERS}
+    Why arrays and not a dict: a store that also holds the corpus's responses keeps ~1.3M n-grams; as
+    Python tuples that is ~450 MB and 2 s to load, as arrays 13 MB and no time. A lookup packs the
+    n-gram into a 64-bit key (16 bits a token: exact below 65,536 ids; wider ids wrap, and the row is
+    compared before it is used) and binary-searches the sorted keys."""
+
+    def __init__(self, grams: dict[int, np.ndarray], nxt: dict[int, np.ndarray], share: dict[int, np.ndarray]) -> None:
+        self.grams, self.next, self.share, self.keys = {}, {}, {}, {}
+        for n in ORDERS:
+            g = np.asarray(grams.get(n, np.zeros((0, n))), dtype=np.int64).reshape(-1, n)
+            keys = _keys(g)
+            order = np.argsort(keys, kind="stable")
+            self.grams[n], self.keys[n] = g[order], keys[order]
+            self.next[n] = np.asarray(nxt.get(n, np.zeros(0)), dtype=np.int64)[order]
+            self.share[n] = np.asarray(share.get(n, np.zeros(0)), dtype=np.uint8)[order]
 
     @classmethod
     def build(cls, answers: list[list[int]], min_count: int = 2) -> AnswerStore:
@@ -58,34 +72,66 @@ class AnswerStore:
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, Tensor]) -> AnswerStore:
-        tables = {}
+        grams, nxt, shares = {}, {}, {}
         for n in ORDERS:
-            grams, nxt, share = (tensors.get(f"{key}{n}") for key in ("grams", "next", "share"))
-            if grams is None or nxt is None or grams.dim() != 2 or grams.shape[1] != n or len(grams) != len(nxt):
+            g, x, share = (tensors.get(f"{key}{n}") for key in ("grams", "next", "share"))
+            if g is None or x is None or g.dim() != 2 or g.shape[1] != n or len(g) != len(x):
                 raise InputError(f"answer store tensors grams{n}/next{n} are missing or malformed")
-            if share is None or share.shape != nxt.shape:
+            if share is None or share.shape != x.shape:
                 raise InputError(
                     "this answer store has no follower shares (built by an older m2r2): rebuild it with "
                     "`m2r2 answer-store`"
                 )
-            grams, nxt = _widen(grams), _widen(nxt)
-            shares = (share.to(torch.float64) / SHARE_STEPS).tolist()
-            tables[n] = dict(zip(map(tuple, grams.tolist()), zip(nxt.tolist(), shares, strict=True), strict=True))
-        return cls(tables)
+            grams[n], nxt[n], shares[n] = _widen(g).numpy(), _widen(x).numpy(), share.numpy()
+        return cls(grams, nxt, shares)
 
     def to_tensors(self) -> dict[str, Tensor]:
         """Token ids as int16 bit patterns where every id fits 16 bits (half the file), else int32."""
-        out, shares = {}, {}
-        for n, table in self.tables.items():
-            out[f"grams{n}"] = torch.tensor(list(table), dtype=torch.int32).reshape(-1, n)
-            out[f"next{n}"] = torch.tensor([t for t, _ in table.values()], dtype=torch.int32)
-            shares[f"share{n}"] = torch.tensor([round(s * SHARE_STEPS) for _, s in table.values()], dtype=torch.uint8)
+        out = {}
+        for n in ORDERS:
+            out[f"grams{n}"] = torch.from_numpy(self.grams[n].astype(np.int32))
+            out[f"next{n}"] = torch.from_numpy(self.next[n].astype(np.int32))
         if all(t.numel() == 0 or (int(t.max()) < 1 << 16 and int(t.min()) >= 0) for t in out.values()):
             out = {k: (t - (t >= 1 << 15).int() * (1 << 16)).to(torch.int16) for k, t in out.items()}
-        return out | shares
+        return out | {f"share{n}": torch.from_numpy(self.share[n].copy()) for n in ORDERS}
+
+    def over(self, other: AnswerStore) -> AnswerStore:
+        """This store's n-grams, then ``other``'s where this one has none (e.g. the model's own answers
+        over the corpus's responses: its own phrasing decides wherever it has any)."""
+        grams, nxt, share = {}, {}, {}
+        for n in ORDERS:
+            g = np.concatenate([self.grams[n], other.grams[n]])
+            _, first = np.unique(g, axis=0, return_index=True)  # the first occurrence: this store's
+            grams[n], nxt[n] = g[first], np.concatenate([self.next[n], other.next[n]])[first]
+            share[n] = np.concatenate([self.share[n], other.share[n]])[first]
+        return AnswerStore(grams, nxt, share)
 
     def __len__(self) -> int:
-        return sum(len(t) for t in self.tables.values())
+        return sum(len(k) for k in self.keys.values())
+
+    def get(self, gram: tuple[int, ...]) -> tuple[int, float] | None:
+        """The kept follower of ``gram`` and its share, or None."""
+        n = len(gram)
+        keys = self.keys.get(n)
+        if keys is None or not len(keys):
+            return None
+        key = 0
+        for t in gram:
+            key = ((key << 16) + t) & MASK64
+        i = int(np.searchsorted(keys, np.uint64(key)))
+        while i < len(keys) and int(keys[i]) == key:
+            if tuple(self.grams[n][i].tolist()) == tuple(gram):
+                return int(self.next[n][i]), int(self.share[n][i]) / SHARE_STEPS
+            i += 1
+        return None
+
+    def entries(self) -> dict[tuple[int, ...], tuple[int, float]]:
+        """Every kept n-gram with its follower and share (for tests and inspection)."""
+        return {
+            tuple(g): (int(x), int(s) / SHARE_STEPS)
+            for n in ORDERS
+            for g, x, s in zip(self.grams[n].tolist(), self.next[n].tolist(), self.share[n].tolist(), strict=True)
+        }
 
     def propose(self, context: list[int], k: int) -> tuple[list[int], list[float]]:
         """Up to ``k`` tokens, each the most frequent follower of the longest n-gram ending the context
@@ -94,7 +140,7 @@ class AnswerStore:
         for _ in range(k):
             hit = None
             for n in ORDERS:
-                if len(tail) >= n and (hit := self.tables[n].get(tuple(tail[-n:]))) is not None:
+                if len(tail) >= n and (hit := self.get(tuple(tail[-n:]))) is not None:
                     break
             if hit is None:
                 break
@@ -102,6 +148,14 @@ class AnswerStore:
             shares.append(hit[1])
             tail = [*tail[1:], hit[0]]
         return out, shares
+
+
+def _keys(grams: np.ndarray) -> np.ndarray:
+    """64-bit keys of n-gram rows: 16 bits a token, wrapping (as :meth:`AnswerStore.get` packs them)."""
+    keys = np.zeros(len(grams), dtype=np.uint64)
+    for j in range(grams.shape[1]):
+        keys = (keys << np.uint64(16)) + grams[:, j].astype(np.uint64)
+    return keys
 
 
 def _widen(ids: Tensor) -> Tensor:
@@ -163,8 +217,32 @@ def read_answers(paths: list[Path]) -> list[list[int]]:
     return answers
 
 
+def read_responses(path: Path) -> list[str]:
+    """The assistant turns of a conversations JSONL file (``shared/data/train/conversations.jsonl``: one
+    ``{"messages": [{"role", "content"}, ...]}`` a line), the text REST-style stores draft from."""
+    from m2r2.paths import refuse_eval
+
+    refuse_eval(path)
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise InputError(f"cannot read conversations {path}: {e}") from e
+    texts = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            messages = json.loads(line)["messages"]
+            texts += [m["content"] for m in messages if m["role"] == "assistant" and m["content"].strip()]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise InputError(f"{path}:{i + 1}: not a conversation (no messages with role and content)") from None
+    if not texts:
+        raise InputError(f"no assistant turns in {path}")
+    return texts
+
+
 def save_answer_store(path: Path, store: AnswerStore, fingerprint: str, **info: object) -> Path:
-    sizes = {str(n): len(t) for n, t in store.tables.items()}
+    sizes = {str(n): len(k) for n, k in store.keys.items()}
     return weightfile.save(
         path, store.to_tensors(), KIND, fingerprint, VERSION, {"orders": list(ORDERS)}, entries=sizes, **info
     )
