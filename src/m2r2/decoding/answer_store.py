@@ -1,5 +1,5 @@
-"""An answer store: the base model's own phrasing, a third source of tree nodes beside the drafter and
-prompt lookup (retrieval drafting in the manner of REST, He et al. 2024, from the model's own answers).
+"""An answer store: the base model's own phrasing, and a corpus's, as a third source of tree nodes beside
+the drafter and prompt lookup (retrieval drafting in the manner of REST, He et al. 2024).
 
 Why (measured, BENCHMARKS.md "Thirteenth round"): a 135M model's greedy answers reuse their phrasing
 across prompts ("Here are some ...", list scaffolding, closing lines). An n-gram table of its answers
@@ -12,8 +12,16 @@ each proposed node by the product of the shares along its chain, calibrated per 
 verifier's cost model spends rows only where a chain is likely to hold. Greedy only, like prompt
 lookup; outputs stay the plain greedy ones (every node is verified).
 
-Built by ``m2r2 answer-store`` from ``distill-data`` files; stored as a bound weight file
-(``NAME.safetensors`` + ``NAME.json``: base model fingerprint, checksum), refused for another model.
+REST's own datastore is human/assistant text, not the model's: the training corpus's assistant turns
+(~5M tokens, several times the own answers) also count (``m2r2 answer-store --corpus``), each own
+answer weighing ``--own-weight`` times, and a store built from own answers can be laid *over* it
+(:meth:`AnswerStore.over`: its followers win where it has any). Replayed on MT-Bench answers this
+adds tokens where the own answers have nothing (BENCHMARKS.md "Twenty-third round"), and it gives a
+model with no own answers yet a store at all.
+
+Built by ``m2r2 answer-store`` from ``distill-data`` files and/or conversations; stored as a bound
+weight file (``NAME.safetensors`` + ``NAME.json``: base model fingerprint, checksum), refused for
+another model.
 """
 
 from __future__ import annotations
