@@ -696,37 +696,3 @@ def test_bad_taps_are_refused_before_any_work(tmp_path, tiny_model, capsys):
     assert not (tmp_path / "s" / "manifest.json").exists()
     with pytest.raises(SettingsError, match="taps must be base layers"):
         SeededConfig.build(4, taps=[4])
-
-
-def test_a_copy_beside_a_confident_draft_is_priced_by_what_the_draft_leaves():
-    """Only one token follows a node: a copied token the drafter did not draft can be right only where its
-    drafted siblings are wrong, so its chance is capped by what they leave; a copy the drafter agrees with
-    keeps its own price, and the copy's deeper nodes keep their shares' ratios under the cap."""
-    # root 0; drafted 1 (0.7) and 2 (0.2) under it, 3 under 1; the copy 1 -> 4 agrees at node 1, then
-    # leaves the draft; another copy 5 -> 6 starts beside the drafted children of the root
-    t = Tree([10, 11, 12, 13], [-1, 0, 0, 1], [0, 1, 1, 2], [1.0, 0.7, 0.2, 0.35])
-    agree = t.add_copies([11, 14], [0.9, 0.6])
-    beside = t.add_copies([15, 16], [0.8, 0.4])
-    assert agree[0] == 1 and t.tokens[agree[1]] == 14 and t.tokens[beside[0]] == 15
-    plain, excl = t.values(1.0, exclusive=False), t.values(1.0)
-    assert plain[1] == excl[1] == 0.9  # the draft agrees: the copy's own price
-    assert plain[beside[0]] == 0.8 and excl[beside[0]] == pytest.approx(0.1)  # 1 - 0.7 - 0.2 left
-    assert excl[beside[1]] == pytest.approx(0.1 * 0.4 / 0.8)  # its share ratio under the cap
-    assert excl[agree[1]] == pytest.approx(0.9 * min(0.6 / 0.9, 1 - 0.35 / 0.7))  # node 1's drafted child 3
-    assert plain[agree[1]] == 0.6 and excl[2] == plain[2] == 0.2 and excl[3] == plain[3] == 0.35
-    for r in range(1, len(t.tokens)):  # never above the parent: the top-n set stays closed under ancestors
-        assert excl[r] <= excl[t.parents[r]] + 1e-12
-    assert t.values(2.0)[beside[0]] == 0.0  # calibrated drafts that claim it all leave a copy nothing
-
-
-def test_trees_with_copies_priced_either_way_stay_plain_greedy():
-    model = tiny_model(23)
-    fast = seeded_stream(model, 1, 3.0, 23, fold=True)
-    gen = GenerationConfig(max_new_tokens=40)
-    rng = random.Random(5)
-    for _ in range(3):
-        prompt = [rng.randrange(64) for _ in range(4)] * 3  # repeats: prompt lookup copies
-        ref = Autoregressive(model, []).generate(prompt, gen).tokens
-        for exclusive in (True, False):
-            strat = TreeSpeculative("m2r2", model, fast, [], None, 8, 4, 2, 2, lookup=6, exclusive_copies=exclusive)
-            assert strat.generate(prompt, gen).tokens == ref

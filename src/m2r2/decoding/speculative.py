@@ -321,12 +321,10 @@ def _m2r2(
     lookup: int = DEFAULT_LOOKUP,
     answers: str | None = None,
     online_costs: bool = True,
-    exclusive_copies: bool = True,
 ) -> SelfSpeculative | TreeSpeculative:
     """Seeded adapters (the shipped default where they exist) draft token trees; prefix adapters draft chains.
     ``online_costs``: trees correct the measured verify costs by each answer's own passes
-    (:class:`m2r2.decoding.tree.VerifyFit`); ``exclusive_copies``: a copy beside drafted siblings is priced
-    by what they leave (:meth:`m2r2.decoding.tree.Tree.values`)."""
+    (:class:`m2r2.decoding.tree.VerifyFit`)."""
     from m2r2.multirate.io import bundled_adapters, load_default
     from m2r2.multirate.seeded import SeededFastStream
 
@@ -335,7 +333,7 @@ def _m2r2(
     if isinstance(fast, SeededFastStream):
         drafter = SeededDrafter(fast.to(engine.model.device).freeze(merge=True))
         tree = (max_nodes, max_depth, width, branch, lookup)
-        extra = {"answers": answers, "online_costs": online_costs, "exclusive_copies": exclusive_copies}
+        extra = {"answers": answers, "online_costs": online_costs}
         return build_tree_speculative("m2r2", engine, drafter, adaptive, cost_cache, *tree, **extra)
     return build_self_speculative("m2r2", engine, fast, max_draft, stop_below, use_arla, adaptive, cost_cache)
 

@@ -91,31 +91,9 @@ class Tree:
     # prompt lookup's chain under the root, by depth: node -> its calibrated path probability as a copy
     copy_probs: dict[int, float] = field(default_factory=dict)
 
-    def values(self, calib: float, exclusive: bool = True) -> list[float]:
-        """Chance that each node is accepted: its calibrated draft path probability, or as a copy.
-
-        ``exclusive``: a copied node the drafter did not draft competes with its drafted siblings (only
-        one token can follow the parent), so its chance given the parent is capped by what they leave,
-        ``1 - sum of their calibrated chances given the parent``, and the copy's deeper nodes keep their
-        shares' ratios under it. Why (BENCHMARKS.md "Twenty-third round"): priced by its shares alone, a
-        copy beside a confident draft bought rows whose token the draft already covered; with a larger
-        answer store, 9.5% more rows a pass for 3% fewer passes."""
-        out = [1.0] * len(self.tokens)
-        drafted = [min(1.0, calib * s) for s in self.scores]
-        drafted[0] = 1.0
-        left: dict[int, float] = {}  # parent -> 1 - its drafted children's chances given it
-        for r in range(1, len(self.tokens)):
-            p = self.parents[r]
-            if self.scores[r] > 0:
-                left[p] = left.get(p, 1.0) - (drafted[r] / drafted[p] if drafted[p] > 0 else 0.0)
-        for r in range(1, len(self.tokens)):  # parents come first
-            copy = self.copy_probs.get(r, 0.0)
-            if exclusive and r in self.copy_probs and self.scores[r] <= 0:
-                p = self.parents[r]
-                given = copy / self.copy_probs[p] if self.copy_probs.get(p, 0.0) > 0 else copy
-                copy = out[p] * min(given, max(0.0, left.get(p, 1.0)))
-            out[r] = max(drafted[r] if self.scores[r] > 0 else 0.0, copy)
-        return out
+    def value(self, r: int, calib: float) -> float:
+        """Chance that node ``r`` is accepted: its calibrated draft path probability, or as a copy."""
+        return max(min(1.0, calib * self.scores[r]), self.copy_probs.get(r, 0.0))
 
     def own(self, r: int) -> float:
         """Node ``r``'s own draft probability given its parent (0 for a prompt-lookup copy)."""
@@ -373,7 +351,6 @@ class TreeSpeculative:
         exit_threshold: float | None = None,
         answers: AnswerStore | None = None,
         online_costs: bool = True,
-        exclusive_copies: bool = True,
     ) -> None:
         limit = min(CACHE_SLACK, ROW_INVARIANT_MAX_ROWS) - 1
         if not 1 <= max_nodes <= limit:
@@ -390,8 +367,6 @@ class TreeSpeculative:
         self.costs, self.lookup, self.answers = costs, lookup, answers
         #: correct the measured verify costs by each sequence's own verify passes (:class:`VerifyFit`)
         self.online_costs = online_costs
-        #: price a copy beside drafted siblings by what they leave (:meth:`Tree.values`)
-        self.exclusive_copies = exclusive_copies
         #: base layers whose outputs the drafter fuses into its seeds (a tapped seeded stream), else []
         self.taps: list[int] = list(getattr(drafter, "taps", []))
         #: lossy dynamic compute (``m2r2-dynamic``): a draft whose own probability reaches this exits at the
@@ -472,8 +447,7 @@ class TreeSpeculative:
         tokens per second under ``costs`` (the sequence's, :meth:`costs_for`; by default the measured
         ones). The top-n set by path probability is closed under ancestors: a child's probability never
         exceeds its parent's, and a stable sort keeps a parent, created first, ahead on ties."""
-        value = tree.values(calib, self.exclusive_copies)
-        order = sorted(range(1, len(tree.tokens)), key=lambda r: -value[r])[: min(self.max_nodes, room)]
+        order = sorted(range(1, len(tree.tokens)), key=lambda r: -tree.value(r, calib))[: min(self.max_nodes, room)]
         c = self.costs if costs is None else costs
         if c is None:
             return [0, *sorted(order)]
@@ -481,7 +455,7 @@ class TreeSpeculative:
         draft_s = (c.start + draft_steps * c.draft[min(self.width, len(c.draft)) - 1]) if draft_steps else 0.0
         best_n, best_rate, gain = 0, 1.0 / (draft_s + c.verify[0]), 0.0
         for n, r in enumerate(order, start=1):
-            gain += value[r]
+            gain += tree.value(r, calib)
             if n >= len(c.verify):
                 break
             rate = (1.0 + gain) / (draft_s + c.verify[n])
@@ -886,7 +860,6 @@ def build_tree_speculative(
     exit_threshold: float | None = None,
     answers: str | None = None,
     online_costs: bool = True,
-    exclusive_copies: bool = True,
 ) -> TreeSpeculative:
     """A :class:`TreeSpeculative` drafting with ``drafter`` (in its inference form) and measured costs
     (``adaptive``; kept per machine and drafter shape in ``$M2R2_CACHE/costs`` for a day when ``cost_cache``;
@@ -906,4 +879,4 @@ def build_tree_speculative(
     tok = engine.tokenizer
     store = answer_store_for(engine.fingerprint, answers) if lookup else None
     tree = (max_nodes, max_depth, width, branch, costs, lookup, exit_threshold, store, online_costs)
-    return TreeSpeculative(name, model, drafter, tok.eos_ids, tok.decode, *tree, exclusive_copies=exclusive_copies)
+    return TreeSpeculative(name, model, drafter, tok.eos_ids, tok.decode, *tree)
