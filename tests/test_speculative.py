@@ -389,6 +389,16 @@ def test_cost_cache_reuses_fresh_measurements_and_remeasures_bad_ones(tmp_path, 
         path.write_text(bad)
         assert costs.cached_costs(path, measure) == first
     assert len(calls) == 6
+    # a curve that falls with rows (timed beside another job) is re-measured, and never kept
+    path.write_text('{"draft": 0.5, "verify": [7.9, 7.9, 5.1]}')
+    assert costs.cached_costs(path, measure) == first and len(calls) == 7
+    busy = CostModel(draft=0.5, verify=[7.9, 7.9, 5.1])
+    runs = iter([busy, CostModel(draft=0.5, verify=[1.0, 1.0, 1.3])])
+    path.unlink()
+    assert costs.cached_costs(path, lambda: next(runs)).verify == [1.0, 1.0, 1.3]  # measured once more, kept
+    assert json.loads(path.read_text())["verify"] == [1.0, 1.0, 1.3]
+    path.unlink()
+    assert costs.cached_costs(path, lambda: busy) == busy and not path.exists()  # this run only
 
     # the key follows what timings depend on: the drafter's shape, not its adapter values
     class FakeEngine:

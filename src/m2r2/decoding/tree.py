@@ -54,7 +54,7 @@ from m2r2.decoding.base import (
     begin,
     warp_probs,
 )
-from m2r2.decoding.costs import cached_costs, cost_cache_path
+from m2r2.decoding.costs import cached_costs, check_verify_curve, cost_cache_path
 from m2r2.decoding.lookup import LookupStats, NgramIndex
 from m2r2.errors import SettingsError
 from m2r2.kernels import head_argmax
@@ -843,6 +843,7 @@ def _tree_costs(raw: dict[str, object]) -> TreeCosts:
     costs = TreeCosts([float(x) for x in draft], [float(x) for x in verify], float(raw.get("start", 0.0)))  # type: ignore[union-attr]
     if not (costs.draft and costs.verify and min(costs.draft + costs.verify) > 0 and costs.start >= 0):
         raise ValueError("non-positive cost")
+    check_verify_curve(costs.verify)
     return costs
 
 
