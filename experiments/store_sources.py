@@ -21,22 +21,16 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from m2r2.decoding.answer_store import AnswerStore, load_answer_store, read_answers, read_responses
+from answer_store_replay import accepted
+
+from m2r2.decoding.answer_store import AnswerStore, load_answer_store, read_answers
 from m2r2.decoding.lookup import NgramIndex
 from m2r2.loading import fingerprint, resolve_model
 from m2r2.paths import shipped_conversations
 from m2r2.tokenizer import ChatTokenizer
+from m2r2.training.store import assistant_turns
 
 K = 4
-
-
-def accepted(prop: list[int], truth: list[int]) -> int:
-    n = 0
-    for a, b in zip(prop, truth, strict=False):
-        if a != b:
-            break
-        n += 1
-    return n
 
 
 def replay(store: AnswerStore | None, evals: list[dict]) -> Counter:
@@ -72,7 +66,7 @@ def main() -> None:
     evals = [json.loads(x) for x in Path(args.eval).read_text().splitlines()]
     own = read_answers([Path(f) for f in args.own]) if args.own else []
     t0 = time.time()
-    texts = read_responses(shipped_conversations())
+    texts = assistant_turns(shipped_conversations())
     hf = ChatTokenizer(model_dir).hf
     corpus = [
         ids

@@ -186,6 +186,9 @@ def test_the_command_counts_a_corpus_and_lays_a_store_over_it(tmp_path, tiny_mod
     bad.write_text('{"id": "x"}\n')
     assert main(["answer-store", "--data", str(data), "--corpus", str(bad), "--out", str(out), "--model", "/x"]) != 0
     assert "not a conversation" in capsys.readouterr().err  # about the corpus, before any model loads
+    bad.write_text(json.dumps({"id": "u", "messages": turns[:1]}) + "\n")
+    assert main(["answer-store", "--data", str(data), "--corpus", str(bad), "--out", str(out), "--model", "/x"]) != 0
+    assert "no assistant turns" in capsys.readouterr().err
     assert main(["answer-store", "--data", str(data), "--over", str(tmp_path / "no"), "--out", str(out)]) != 0
     assert "no such answer store" in capsys.readouterr().err
     assert main(["answer-store", "--data", "--out", str(out), "--model", "/x"]) != 0

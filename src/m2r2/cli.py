@@ -504,19 +504,14 @@ def cmd_draft_vocab(args: argparse.Namespace) -> int:
 def cmd_answer_store(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from m2r2.decoding.answer_store import (
-        AnswerStore,
-        load_answer_store,
-        read_answers,
-        read_responses,
-        save_answer_store,
-    )
+    from m2r2.decoding.answer_store import AnswerStore, load_answer_store, read_answers, save_answer_store
+    from m2r2.training.store import assistant_turns
 
     if args.min_count < 1 or args.own_weight < 1:
         raise SettingsError(f"--min-count and --own-weight must be >= 1, got {args.min_count} and {args.own_weight}")
     paths = [Path(p) for p in (args.data if args.data is not None else [] if args.corpus else [DEFAULT_ANSWERS])]
     answers = read_answers(paths) if paths else []  # bad input fails before the model loads
-    texts = [t for c in args.corpus for t in read_responses(Path(c))]
+    texts = [t for c in args.corpus for t in assistant_turns(Path(c))]
     if not answers and not texts:
         raise InputError("nothing to count: give --data answers and/or a --corpus")
     if args.over is not None and not Path(args.over).is_file():

@@ -225,30 +225,6 @@ def read_answers(paths: list[Path]) -> list[list[int]]:
     return answers
 
 
-def read_responses(path: Path) -> list[str]:
-    """The assistant turns of a conversations JSONL file (``shared/data/train/conversations.jsonl``: one
-    ``{"messages": [{"role", "content"}, ...]}`` a line), the text REST-style stores draft from."""
-    from m2r2.paths import refuse_eval
-
-    refuse_eval(path)
-    try:
-        lines = Path(path).read_text().splitlines()
-    except OSError as e:
-        raise InputError(f"cannot read conversations {path}: {e}") from e
-    texts = []
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            messages = json.loads(line)["messages"]
-            texts += [m["content"] for m in messages if m["role"] == "assistant" and m["content"].strip()]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise InputError(f"{path}:{i + 1}: not a conversation (no messages with role and content)") from None
-    if not texts:
-        raise InputError(f"no assistant turns in {path}")
-    return texts
-
-
 def save_answer_store(path: Path, store: AnswerStore, fingerprint: str, **info: object) -> Path:
     sizes = {str(n): len(k) for n, k in store.keys.items()}
     return weightfile.save(

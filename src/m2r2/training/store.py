@@ -138,6 +138,20 @@ def read_conversations(path: Path) -> list[dict[str, Any]]:
     return out
 
 
+def assistant_turns(path: Path) -> list[str]:
+    """The assistant turns of a conversations file: the text an answer store may also count (REST's kind of
+    datastore, ``m2r2 answer-store --corpus``)."""
+    texts = [
+        m["content"]
+        for rec in read_conversations(path)
+        for m in rec.get("messages") or []
+        if isinstance(m, dict) and m.get("role") == "assistant" and str(m.get("content", "")).strip()
+    ]
+    if not texts:
+        raise InputError(f"no assistant turns in {path}")
+    return texts
+
+
 def conversation_order(path: Path) -> list[dict[str, Any]]:
     """Records of ``path`` interleaved by source weight; deterministic, so a resumed build sees the same order."""
     from m2r2.training.distill import rebalance
