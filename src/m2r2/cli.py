@@ -517,14 +517,14 @@ def cmd_answer_store(args: argparse.Namespace) -> int:
     if args.over is not None and not Path(args.over).is_file():
         raise InputError(f"--over {args.over}: no such answer store")
     engine = _engine(args, quiet=True)
+    over = load_answer_store(Path(args.over), engine.fingerprint) if args.over is not None else None  # before counting
     responses = []
     for i in tqdm(range(0, len(texts), 2048), desc="tokenizing responses", disable=not texts, unit="batch"):
         responses += engine.tokenizer.hf(texts[i : i + 2048], add_special_tokens=False)["input_ids"]
     store = AnswerStore.build(answers * args.own_weight + responses, args.min_count)
-    if args.over is not None:
-        store = load_answer_store(Path(args.over), engine.fingerprint).over(store)
-    tokens = sum(map(len, answers))
-    info = {"answers": len(answers), "tokens": tokens, "responses": len(responses)}
+    if over is not None:
+        store = over.over(store)
+    info = {"answers": len(answers), "tokens": sum(map(len, answers)), "responses": len(responses)}
     info["response_tokens"] = sum(map(len, responses))
     out = save_answer_store(
         Path(args.out),
