@@ -571,6 +571,42 @@ def test_store_takes_the_models_own_answers_and_training_reads_several_stores(tm
         train_seeded(e.model, e.fingerprint, replace(s, out=tmp_path / "y", top1_w=-1.0), None)
 
 
+def test_a_run_stopped_by_its_wall_clock_budget_ends_its_learning_rate_cosine_there(tmp_path, tiny_model):
+    """Until the 24th round a run stopped by --minutes long before --steps (100,000 by default) kept its
+    peak learning rate to the end; now the cosine ends where the budget stops the run."""
+    from m2r2.engine import Engine
+    from m2r2.training.seeded_train import HORIZON_PROBE, SeededTrainSettings, _lr, time_horizon, train_seeded
+    from m2r2.training.store import StoreSettings, build_store, chat_encoder
+
+    s = SeededTrainSettings(store="x", out=tmp_path, lr=1e-3, warmup=4, steps=100)
+    assert _lr(0, s, 50) == pytest.approx(2.5e-4) and _lr(4, s, 50) == pytest.approx(1e-3)
+    assert _lr(50, s, 50) == pytest.approx(1e-4) and _lr(80, s, 50) == pytest.approx(1e-4)
+    assert _lr(27, s, 50) == pytest.approx(5.5e-4)  # half way through the cosine
+    assert time_horizon(8, 8, 8.0, 1.0, 100_000) == 60  # 1 s a step, 52 s left
+    assert time_horizon(8, 8, 8.0, 1.0, 20) == 20  # --steps comes first
+    assert time_horizon(8, 8, 70.0, 1.0, 100_000) == 9  # already over budget: the next step ends it
+    e = Engine(str(tiny_model(0)), dtype="fp32", quiet=True)
+    conv = tmp_path / "conv.jsonl"
+    _conversations(conv, 9)
+    build_store(
+        e.model,
+        e.fingerprint,
+        chat_encoder(e.tokenizer),
+        tmp_path / "st",
+        StoreSettings(data=str(conv), max_len=32, kv_layers=1),
+    )
+    lrs: list[float] = []
+    run = SeededTrainSettings(
+        store=str(tmp_path / "st"), out=tmp_path / "run", minutes=0.03, batch=2, holdout=1, rank=2, warmup=2
+    )
+    train_seeded(e.model, e.fingerprint, run, None, lambda d: lrs.append(d["lr"]))
+    horizon = json.loads((tmp_path / "run" / "adapters.json").read_text())["train"]["lr_horizon"]
+    assert HORIZON_PROBE < horizon < 100_000 and len(lrs) > HORIZON_PROBE + 2
+    assert lrs[HORIZON_PROBE - 1] == pytest.approx(run.lr, rel=1e-2) and lrs[-1] < 0.5 * run.lr
+    saved = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)
+    assert saved["horizon"] == horizon  # what --resume continues on
+
+
 @pytest.mark.parametrize("kernel", ["plain", "mkldnn"])
 def test_a_verify_pass_gives_each_row_its_one_token_step_bits(kernel):
     """Whatever the machine's probes chose (stacked attention rows, batched GEMM rows, or one call

@@ -964,9 +964,21 @@ def _add_store_train_args(p: argparse.ArgumentParser, out: str, what: str, init:
     p.add_argument("--store", default="runs/store", help="training store dirs, comma-separated")
     p.add_argument("--out", default=out, help=f"checkpoint and {what} directory (default {out})")
     p.add_argument("--steps", type=int, default=100000, help="maximum optimizer steps")
-    p.add_argument("--minutes", type=float, default=0.0, help="wall-clock budget in minutes (0 = none)")
+    p.add_argument(
+        "--minutes",
+        type=float,
+        default=0.0,
+        help="wall-clock budget in minutes (0 = none); the learning rate's cosine then ends where the "
+        "budget will stop the run, measured on its first steps",
+    )
     p.add_argument("--batch", type=int, default=16, help="sequences per step (default 16)")
-    p.add_argument("--lr", type=float, default=2e-3, help="AdamW learning rate (default 2e-3)")
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=2e-3,
+        help="AdamW peak learning rate (default 2e-3): linear warm-up, then a cosine to a tenth of it at "
+        "--steps or at the end of --minutes, whichever comes first",
+    )
     p.add_argument("--holdout", type=int, default=48, help="store sequences kept out for validation")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=20, help="linear warm-up steps (default 20)")
@@ -1151,7 +1163,7 @@ def _train_from_store(args: argparse.Namespace, kind: str) -> int:
         bar.update(1)
         loss = "kl" if "kl" in d else "ce"
         agree = "/".join(f"{a:.2f}" for a in d["agree"])
-        bar.set_postfix({loss: f"{d[loss]:.3f}", "agree": agree, "tok_s": f"{d['tok_s']:.0f}"})
+        bar.set_postfix({loss: f"{d[loss]:.3f}", "agree": agree, "lr": f"{d['lr']:.1e}", "tok_s": f"{d['tok_s']:.0f}"})
 
     train(engine.model, engine.fingerprint, s, vocab, log)  # type: ignore[arg-type]
     bar.close()

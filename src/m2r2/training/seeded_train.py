@@ -194,11 +194,26 @@ def medusa_losses(heads: MedusaHeads, batch: dict[str, Tensor]) -> dict[str, Any
     return {"loss": ce, "ce": ce, "agree": agree, "counts": counts}
 
 
-def _lr(step: int, s: StoreTrainSettings) -> float:
+#: steps of a run timed before its wall-clock budget fixes the schedule's horizon (:func:`time_horizon`)
+HORIZON_PROBE = 8
+
+
+def _lr(step: int, s: StoreTrainSettings, horizon: int) -> float:
+    """Linear warm-up, then a cosine from ``s.lr`` to a tenth of it at step ``horizon``."""
     if step < s.warmup:
         return s.lr * (step + 1) / s.warmup
-    frac = min(1.0, (step - s.warmup) / max(1, s.steps - s.warmup))
+    frac = min(1.0, (step - s.warmup) / max(1, horizon - s.warmup))
     return s.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def time_horizon(step: int, steps_timed: int, elapsed: float, minutes: float, steps: int) -> int:
+    """The step at which a run with a wall-clock budget will stop, from its measured step time.
+
+    Without it a run stopped by ``--minutes`` long before ``--steps`` (100,000 by default) kept the
+    learning rate at its peak to the end: the cosine never decayed (every run until the 24th round).
+    """
+    per_step = elapsed / max(1, steps_timed)
+    return max(step + 1, min(steps, step + int((minutes * 60 - elapsed) / per_step)))
 
 
 def seeded_trainee(
@@ -324,6 +339,8 @@ def train_on_store(
         if k not in ("out", "store", "minutes", "steps", "resume", "ckpt_minutes", "info")
     }
     step = 0
+    #: the cosine's end: --steps, or where --minutes will stop the run (fixed after HORIZON_PROBE timed steps)
+    horizon: int | None = None if s.minutes else s.steps
     if s.init and not s.resume:
         start = t.load(Path(s.init), fingerprint)
         if type(start) is not type(module):
@@ -339,6 +356,7 @@ def train_on_store(
         module.load_state_dict(state["stream"])
         opt.load_state_dict(state["optim"])
         step = int(state["step"])
+        horizon = state.get("horizon", horizon)  # a resumed run keeps the schedule it was on
 
     def save(step: int) -> None:
         save_checkpoint(
@@ -351,10 +369,12 @@ def train_on_store(
                 "fast_config": cfg.to_dict(),
                 "settings": traj,
                 "data_hash": digest,
+                "horizon": horizon,
             },
         )
 
     t0 = last_ckpt = time.perf_counter()
+    first = step
     per_epoch = max(1, len(train) // s.batch)
     seen = 0
     module.train()
@@ -362,8 +382,10 @@ def train_on_store(
         epoch, k = divmod(step, per_epoch)
         order = torch.randperm(len(train), generator=torch.Generator().manual_seed(s.seed * 100003 + epoch))
         batch = pad_batch([train[i] for i in order[k * s.batch : (k + 1) * s.batch].tolist()], depth, bool(t.taps))
+        if horizon is None and step - first == HORIZON_PROBE:
+            horizon = time_horizon(step, HORIZON_PROBE, time.perf_counter() - t0, s.minutes, s.steps)
         for g in opt.param_groups:
-            g["lr"] = _lr(step, s)
+            g["lr"] = _lr(step, s, horizon or s.steps)
         with torch.autocast(module.base.device.type, dtype=torch.bfloat16, enabled=s.bf16):
             out = t.losses(batch)
         opt.zero_grad(set_to_none=True)
@@ -380,6 +402,7 @@ def train_on_store(
                     "epoch": epoch,
                     **scalars,
                     "agree": out["agree"],
+                    "lr": opt.param_groups[0]["lr"],
                     "tokens": seen,
                     "tok_s": seen / (time.perf_counter() - t0),
                 }
@@ -396,6 +419,7 @@ def train_on_store(
         train={
             **s.to_dict(),
             "steps_done": step,
+            "lr_horizon": horizon,
             "store_tokens": sum(st.tokens for st in stores),
             "store_digest": digest,
             "tokens_seen_this_run": seen,
