@@ -356,7 +356,8 @@ def train_on_store(
         module.load_state_dict(state["stream"])
         opt.load_state_dict(state["optim"])
         step = int(state["step"])
-        horizon = state.get("horizon", horizon)  # a resumed run keeps the schedule it was on
+        if s.minutes and state.get("horizon"):  # resumed after a kill: the schedule its budget set
+            horizon = int(state["horizon"])
 
     def save(step: int) -> None:
         save_checkpoint(
@@ -369,7 +370,7 @@ def train_on_store(
                 "fast_config": cfg.to_dict(),
                 "settings": traj,
                 "data_hash": digest,
-                "horizon": horizon,
+                "horizon": horizon if s.minutes else None,  # a step-bounded run's horizon is its --steps
             },
         )
 
