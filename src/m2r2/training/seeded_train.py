@@ -210,7 +210,8 @@ def time_horizon(step: int, steps_timed: int, elapsed: float, minutes: float, st
     """The step at which a run with a wall-clock budget will stop, from its measured step time.
 
     Without it a run stopped by ``--minutes`` long before ``--steps`` (100,000 by default) kept the
-    learning rate at its peak to the end: the cosine never decayed (every run until the 24th round).
+    learning rate at its peak to the end: the cosine never decayed (the shipped SmolLM2 stream's runs until
+    the 24th round).
     """
     per_step = elapsed / max(1, steps_timed)
     return max(step + 1, min(steps, step + int((minutes * 60 - elapsed) / per_step)))
@@ -339,8 +340,8 @@ def train_on_store(
         if k not in ("out", "store", "minutes", "steps", "resume", "ckpt_minutes", "info")
     }
     step = 0
-    #: the cosine's end: --steps, or where --minutes will stop the run (fixed after HORIZON_PROBE timed steps)
-    horizon: int | None = None if s.minutes else s.steps
+    #: where --minutes will stop the run, fixed after HORIZON_PROBE timed steps (None: the cosine ends at --steps)
+    horizon: int | None = None
     if s.init and not s.resume:
         start = t.load(Path(s.init), fingerprint)
         if type(start) is not type(module):
@@ -370,7 +371,7 @@ def train_on_store(
                 "fast_config": cfg.to_dict(),
                 "settings": traj,
                 "data_hash": digest,
-                "horizon": horizon if s.minutes else None,  # a step-bounded run's horizon is its --steps
+                "horizon": horizon,
             },
         )
 
@@ -383,7 +384,7 @@ def train_on_store(
         epoch, k = divmod(step, per_epoch)
         order = torch.randperm(len(train), generator=torch.Generator().manual_seed(s.seed * 100003 + epoch))
         batch = pad_batch([train[i] for i in order[k * s.batch : (k + 1) * s.batch].tolist()], depth, bool(t.taps))
-        if horizon is None and step - first == HORIZON_PROBE:
+        if s.minutes and horizon is None and step - first == HORIZON_PROBE:
             horizon = time_horizon(step, HORIZON_PROBE, time.perf_counter() - t0, s.minutes, s.steps)
         for g in opt.param_groups:
             g["lr"] = _lr(step, s, horizon or s.steps)
@@ -420,7 +421,7 @@ def train_on_store(
         train={
             **s.to_dict(),
             "steps_done": step,
-            "lr_horizon": horizon,
+            "lr_horizon": horizon or s.steps,
             "store_tokens": sum(st.tokens for st in stores),
             "store_digest": digest,
             "tokens_seen_this_run": seen,
