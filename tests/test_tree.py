@@ -732,3 +732,54 @@ def test_bad_taps_are_refused_before_any_work(tmp_path, tiny_model, capsys):
     assert not (tmp_path / "s" / "manifest.json").exists()
     with pytest.raises(SettingsError, match="taps must be base layers"):
         SeededConfig.build(4, taps=[4])
+
+
+def test_positions_a_copy_already_drafts_weigh_copy_w_in_the_stream_loss(tmp_path, tiny_model):
+    """`train-seeded --copy-w`: a draft where prompt lookup or the answer store is right already is redundant
+    in m2r2's tree, so those positions weigh less in the CE and alignment losses."""
+    from m2r2.decoding.answer_store import AnswerStore
+    from m2r2.engine import Engine
+    from m2r2.training.copy_weights import copied_positions, copy_weights
+    from m2r2.training.seeded_train import SeededTrainSettings, chain_losses, pad_batch, targets, train_seeded
+    from m2r2.training.store import StoreSettings, TrainStore, build_store, chat_encoder
+
+    # lookup: at position 4 the 2-gram (5, 6) occurred before and was followed by 7, the next token
+    assert copied_positions([5, 6, 7, 5, 6, 7, 8], None).tolist() == [0, 0, 0, 0, 1, 0, 0]
+    store = AnswerStore.build([[1, 2, 3, 4], [1, 2, 3, 4]])  # (1, 2) -> 3, (1, 2, 3) -> 4
+    assert copied_positions([1, 2, 3, 9], store).tolist() == [0, 1, 0, 0]
+    assert copy_weights([1, 2, 3, 9], store, 0.25).tolist() == [1.0, 0.25, 1.0, 1.0]
+
+    e = Engine(str(tiny_model(0)), dtype="fp32", quiet=True)
+    conv = tmp_path / "conv.jsonl"
+    _conversations(conv, 9)
+    build_store(
+        e.model,
+        e.fingerprint,
+        chat_encoder(e.tokenizer),
+        tmp_path / "st",
+        StoreSettings(data=str(conv), max_len=32, kv_layers=1),
+    )
+    s = SeededTrainSettings(store=str(tmp_path / "st"), out=tmp_path / "run", steps=2, batch=2, holdout=1, rank=2)
+    stream = train_seeded(e.model, e.fingerprint, replace(s, copy_w=0.5), None)
+    meta = json.loads((tmp_path / "run" / "adapters.json").read_text())
+    assert meta["train"]["copy_w"] == 0.5
+    st = TrainStore(tmp_path / "st", e.fingerprint)
+    seqs = list(st.sequences(st.load_shard(0)))[:3]
+    plain = chain_losses(stream, pad_batch(seqs, 1), 1)
+    for q in seqs:
+        q["weight"] = torch.full((len(q["tokens"]),), 3.0)
+    same = chain_losses(stream, pad_batch(seqs, 1), 1)  # equal weights: the plain means
+    assert torch.allclose(same["ce"], plain["ce"]) and torch.allclose(same["align"], plain["align"])
+    for q in seqs:
+        q["weight"] = torch.zeros(len(q["tokens"]))
+    seqs[1]["weight"][2] = 1.0  # one position carries the whole loss
+    batch = pad_batch(seqs, 1)
+    one = chain_losses(stream, batch, 1)
+    w, p, _ = targets(stream, batch["hidden"])
+    states = stream.forward_chain(batch["tokens"], batch["hidden"], batch["k"], batch["v"], 1)
+    logp = F.linear(stream.base.norm(states[0][-1]), w).log_softmax(-1)
+    assert torch.allclose(one["ce"], -(p[1, 2] * logp[1, 2]).sum())
+    with pytest.raises(SettingsError, match="copy-w"):
+        train_seeded(e.model, e.fingerprint, replace(s, out=tmp_path / "x", copy_w=0.0), None)
+    with pytest.raises(SettingsError, match="copy_w"):  # a resume must keep the weighting
+        train_seeded(e.model, e.fingerprint, replace(s, copy_w=0.25, resume=True), None)

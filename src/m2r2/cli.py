@@ -928,6 +928,18 @@ def _add_seeded_commands(sub: argparse._SubParsersAction) -> None:
         default=0.0,
         help="weight of a hard cross-entropy on the full model's top-1 token beside the soft one (default 0)",
     )
+    ts.add_argument(
+        "--copy-w",
+        type=float,
+        default=1.0,
+        help="loss weight (0-1] of positions where prompt lookup or the answer store already proposes the next "
+        "token: a draft there is redundant in m2r2's tree (default 1: all positions alike)",
+    )
+    ts.add_argument(
+        "--copy-answers",
+        default=None,
+        help="answer store that --copy-w judges positions with (default: the one shipped for the model)",
+    )
     ts.set_defaults(func=cmd_train_seeded)
 
     tmd = sub.add_parser(
@@ -1144,6 +1156,8 @@ def _train_from_store(args: argparse.Namespace, kind: str) -> int:
             taps=args.taps,
             align_w=args.align_w,
             top1_w=args.top1_w,
+            copy_w=args.copy_w,
+            copy_answers=args.copy_answers,
         )
         train, name = st.train_seeded, "adapters"
     elif kind == "eagle":

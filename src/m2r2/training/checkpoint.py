@@ -18,7 +18,21 @@ from m2r2.errors import SettingsError, WeightsError
 from m2r2.files import atomic_write
 
 #: Settings that change the training trajectory; a resume must match them exactly.
-TRAJECTORY_KEYS = ("seed", "batch", "max_len", "lr", "warmup", "gamma_max", "align_w", "kl_w", "arla_w", "arla_frac")
+TRAJECTORY_KEYS = (
+    "seed",
+    "batch",
+    "max_len",
+    "lr",
+    "warmup",
+    "gamma_max",
+    "align_w",
+    "kl_w",
+    "arla_w",
+    "arla_frac",
+    "copy_w",
+)
+#: what a key added later meant in checkpoints written before it existed
+TRAJECTORY_DEFAULTS = {"copy_w": 1.0}
 
 
 def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
@@ -47,7 +61,8 @@ def load_checkpoint(
     if data_hash is not None and state.get("data_hash") not in (None, data_hash):
         raise SettingsError(f"checkpoint {path} was trained on other data; resume with the same --data and --max-len")
     theirs = state.get("settings", {})
-    diff = [k for k in TRAJECTORY_KEYS if theirs.get(k) != settings.get(k)]
+    was = {k: theirs.get(k, TRAJECTORY_DEFAULTS.get(k)) for k in TRAJECTORY_KEYS}
+    diff = [k for k in TRAJECTORY_KEYS if was[k] != settings.get(k, TRAJECTORY_DEFAULTS.get(k))]
     if diff:
         raise SettingsError(
             f"checkpoint {path} was written with different settings ({', '.join(diff)}); resume with the same ones"

@@ -15,6 +15,9 @@ at once (:meth:`SeededFastStream.forward_chain`: step s is seeded by step s-1's 
 * alignment: smooth-L1 of ``(f_K - h_N(p)) / rms(h_N(p))`` (the fast state should *be* the slow one);
 * ARLA: BCE on detached states, label = the draft's top-1 equals the full model's top-1.
 
+With ``copy_w`` < 1 the CE and alignment terms weigh positions a copy source already drafts right
+(:mod:`m2r2.training.copy_weights`) by ``copy_w``.
+
 Medusa heads: head i at position t drafts the token after position ``t + i`` from ``h_N(t)`` alone;
 loss ``CE(p_N(t + i), q_i(t))`` averaged over heads (the store's K/V is not even read).
 
@@ -35,6 +38,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from tqdm import tqdm
 
 from m2r2.decoding.medusa import MedusaConfig, MedusaHeads
 from m2r2.errors import SettingsError
@@ -84,6 +88,10 @@ class SeededTrainSettings(StoreTrainSettings):
     #: weight of a hard cross-entropy on the full model's top-1 token (over the draft vocabulary) beside the
     #: soft one: greedy verification accepts only the top-1, the soft target also spends capacity on the tail
     top1_w: float = 0.0
+    #: loss weight of positions where prompt lookup or the answer store proposes the next token (1 = all alike)
+    copy_w: float = 1.0
+    #: the answer store those positions are judged with (None: the one shipped for the base model)
+    copy_answers: str | None = None
 
 
 @dataclass
@@ -106,11 +114,14 @@ class Trainee:
     #: loads an --init module into ``module``; None: it must be of the same type and shape
     adopt: Callable[[nn.Module], None] | None = None
     taps: list[int] = field(default_factory=list)  # base layers whose outputs each batch carries
+    #: a sequence's tokens -> its per-position loss weights (None: every position weighs 1)
+    weigh: Callable[[list[int]], Tensor] | None = None
 
 
 def pad_batch(seqs: list[dict[str, Tensor]], depth: int, taps: bool = False) -> dict[str, Tensor]:
     """Right-pad store sequences to one length; ``valid`` marks real positions; K/V of the last ``depth``
-    stored layers (none for 0); with ``taps``, the stored tap layers' outputs."""
+    stored layers (none for 0); with ``taps``, the stored tap layers' outputs; the sequences' loss
+    ``weight`` where they carry one."""
     t = max(len(s["tokens"]) for s in seqs)
     b = len(seqs)
     tokens = torch.zeros(b, t, dtype=torch.long)
@@ -120,6 +131,8 @@ def pad_batch(seqs: list[dict[str, Tensor]], depth: int, taps: bool = False) -> 
     out = {"tokens": tokens, "valid": valid, "hidden": hidden}
     if taps:
         out["taps"] = torch.zeros(b, t, *seqs[0]["taps"].shape[1:])
+    if "weight" in seqs[0]:
+        out["weight"] = torch.zeros(b, t)
     if depth:
         kv_shape = seqs[0]["k"].shape  # [L, n, KVH, D]
         out["k"] = torch.zeros(depth, b, kv_shape[2], t, kv_shape[3])
@@ -130,15 +143,20 @@ def pad_batch(seqs: list[dict[str, Tensor]], depth: int, taps: bool = False) -> 
         hidden[i, :n] = s["hidden"].float()
         if taps:
             out["taps"][i, :n] = s["taps"].float()
+        if "weight" in out:
+            out["weight"][i, :n] = s["weight"]
         if depth:
             out["k"][:, i, :, :n] = s["k"][-depth:].float().transpose(1, 2)
             out["v"][:, i, :, :n] = s["v"][-depth:].float().transpose(1, 2)
     return out
 
 
-def _mean(x: Tensor, m: Tensor) -> Tensor:
-    """Mean of ``x`` over the mask ``m`` (0 where ``m`` is empty: no position to learn from)."""
-    return x[m].sum() / max(int(m.sum()), 1)
+def _mean(x: Tensor, m: Tensor, w: Tensor | None = None) -> Tensor:
+    """Mean of ``x`` over the mask ``m``, weighted by ``w`` if given (0 where ``m`` is empty: no position
+    to learn from)."""
+    if w is None:
+        return x[m].sum() / max(int(m.sum()), 1)
+    return (x * w)[m].sum() / w[m].sum().clamp_min(1e-6)
 
 
 def targets(module: nn.Module, hidden: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -151,7 +169,7 @@ def targets(module: nn.Module, hidden: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 def chain_losses(stream: SeededFastStream, batch: dict[str, Tensor], chain: int) -> dict[str, Any]:
     """Losses and per-step top-1 agreement (over the draft vocabulary) of one batch."""
-    hidden, valid = batch["hidden"], batch["valid"]
+    hidden, valid, weight = batch["hidden"], batch["valid"], batch.get("weight")
     w, p, top = targets(stream, hidden)
     out = stream.forward_chain(batch["tokens"], hidden, batch["k"], batch["v"], chain, batch.get("taps"))
     pos = torch.arange(hidden.shape[1])
@@ -163,9 +181,10 @@ def chain_losses(stream: SeededFastStream, batch: dict[str, Tensor], chain: int)
         f = states[-1]
         logits = F.linear(stream.base.norm(f), w)
         logp = logits.log_softmax(-1)
-        ce = ce + _mean(-(p * logp).sum(-1), m)
-        hard = hard + _mean(-logp.gather(-1, top[..., None])[..., 0], m)
-        align = align + _mean(F.smooth_l1_loss((f - hidden) / rms, torch.zeros_like(f), reduction="none").mean(-1), m)
+        ce = ce + _mean(-(p * logp).sum(-1), m, weight)
+        hard = hard + _mean(-logp.gather(-1, top[..., None])[..., 0], m, weight)
+        dist = F.smooth_l1_loss((f - hidden) / rms, torch.zeros_like(f), reduction="none").mean(-1)
+        align = align + _mean(dist, m, weight)
         hit = logits.argmax(-1) == top
         counts.append(int(m.sum()))
         agree.append(int(hit[m].sum()) / max(counts[-1], 1))
@@ -218,7 +237,12 @@ def time_horizon(step: int, steps_timed: int, elapsed: float, minutes: float, st
 
 
 def seeded_trainee(
-    stream: SeededFastStream, chain: int, align_w: float = 0.5, arla_w: float = 0.1, top1_w: float = 0.0
+    stream: SeededFastStream,
+    chain: int,
+    align_w: float = 0.5,
+    arla_w: float = 0.1,
+    top1_w: float = 0.0,
+    weigh: Callable[[list[int]], Tensor] | None = None,
 ) -> Trainee:
     from m2r2.multirate.io import load_adapters, save_adapters
 
@@ -235,6 +259,7 @@ def seeded_trainee(
         kv_layers=stream.cfg.layers,
         adopt=stream.adopt,
         taps=stream.cfg.taps,
+        weigh=weigh,
     )
 
 
@@ -262,14 +287,26 @@ def train_seeded(
         raise SettingsError("chain and depth must be >= 1")
     if min(s.align_w, s.arla_w, s.top1_w) < 0:
         raise SettingsError("loss weights (--align-w, --top1-w) must be >= 0")
+    if not 0 < s.copy_w <= 1:
+        raise SettingsError(f"--copy-w must be in (0, 1], got {s.copy_w}")
     gated, attention_only = grown_layers(s)
     cfg = SeededConfig.build(
         base.cfg.num_layers, s.depth, s.rank, gated=gated, attention_only=attention_only, taps=s.taps
     )
     stream = SeededFastStream(base, cfg)
     stream.draft_vocab = draft_vocab
-    train_on_store(fingerprint, s, seeded_trainee(stream, s.chain, s.align_w, s.arla_w, s.top1_w), log)
+    weigh = copy_weigher(fingerprint, s.copy_w, s.copy_answers) if s.copy_w != 1 else None
+    train_on_store(fingerprint, s, seeded_trainee(stream, s.chain, s.align_w, s.arla_w, s.top1_w, weigh), log)
     return stream
+
+
+def copy_weigher(fingerprint: str, weight: float, answers: str | None) -> Callable[[list[int]], Tensor]:
+    """Per-position loss weights: ``weight`` where a copy source drafts the next token, else 1."""
+    from m2r2.decoding.answer_store import answer_store_for
+    from m2r2.training.copy_weights import copy_weights
+
+    store = answer_store_for(fingerprint, answers)
+    return lambda tokens: copy_weights(tokens, store, weight)
 
 
 def grown_layers(s: SeededTrainSettings) -> tuple[list[int], list[int]]:
@@ -326,6 +363,9 @@ def train_on_store(
         if t.taps and store.taps != t.taps:
             raise SettingsError(f"store {store.root} holds the outputs of layers {store.taps}, not --taps {t.taps}")
     seqs = [[q for i in range(len(st.shards)) for q in st.sequences(st.load_shard(i, kv=depth > 0))] for st in stores]
+    if t.weigh is not None:
+        for q in tqdm([q for more in seqs for q in more], desc="copy labels", unit="seq", leave=False):
+            q["weight"] = t.weigh(q["tokens"].tolist())
     held = seqs[0][: s.holdout]  # validation: the first store's first sequences
     train = seqs[0][s.holdout :] + [q for more in seqs[1:] for q in more]
     if not train:
