@@ -433,6 +433,24 @@ def _conversations(path, n: int) -> None:
             f.write(json.dumps({"id": f"s:{i}", "source": "lima" if i % 2 else "gsm8k", "messages": msgs}) + "\n")
 
 
+def _engine_and_store(tmp_path, tiny_model):
+    """The tiny model's engine and a training store (K/V of its last layer) of 9 conversations at tmp_path/st."""
+    from m2r2.engine import Engine
+    from m2r2.training.store import StoreSettings, build_store, chat_encoder
+
+    e = Engine(str(tiny_model(0)), dtype="fp32", quiet=True)
+    conv = tmp_path / "conv.jsonl"
+    _conversations(conv, 9)
+    build_store(
+        e.model,
+        e.fingerprint,
+        chat_encoder(e.tokenizer),
+        tmp_path / "st",
+        StoreSettings(data=str(conv), max_len=32, kv_layers=1),
+    )
+    return e
+
+
 def test_store_resumes_after_a_kill_without_duplicates_and_refuses_bad_stores(tmp_path, tiny_model):
     from m2r2.engine import Engine
     from m2r2.machine import cpu_has
@@ -574,9 +592,7 @@ def test_store_takes_the_models_own_answers_and_training_reads_several_stores(tm
 def test_a_run_stopped_by_its_wall_clock_budget_ends_its_learning_rate_cosine_there(tmp_path, tiny_model):
     """Until the 24th round a run stopped by --minutes long before --steps (100,000 by default) kept its
     peak learning rate to the end; now the cosine ends where the budget stops the run."""
-    from m2r2.engine import Engine
     from m2r2.training.seeded_train import HORIZON_PROBE, SeededTrainSettings, _lr, time_horizon, train_seeded
-    from m2r2.training.store import StoreSettings, build_store, chat_encoder
 
     s = SeededTrainSettings(store="x", out=tmp_path, lr=1e-3, warmup=4, steps=100)
     assert _lr(0, s, 50) == pytest.approx(2.5e-4) and _lr(4, s, 50) == pytest.approx(1e-3)
@@ -585,16 +601,7 @@ def test_a_run_stopped_by_its_wall_clock_budget_ends_its_learning_rate_cosine_th
     assert time_horizon(8, 8, 8.0, 1.0, 100_000) == 60  # 1 s a step, 52 s left
     assert time_horizon(8, 8, 8.0, 1.0, 20) == 20  # --steps comes first
     assert time_horizon(8, 8, 70.0, 1.0, 100_000) == 9  # already over budget: the next step ends it
-    e = Engine(str(tiny_model(0)), dtype="fp32", quiet=True)
-    conv = tmp_path / "conv.jsonl"
-    _conversations(conv, 9)
-    build_store(
-        e.model,
-        e.fingerprint,
-        chat_encoder(e.tokenizer),
-        tmp_path / "st",
-        StoreSettings(data=str(conv), max_len=32, kv_layers=1),
-    )
+    e = _engine_and_store(tmp_path, tiny_model)
     lrs: list[float] = []
     run = SeededTrainSettings(
         store=str(tmp_path / "st"), out=tmp_path / "run", minutes=0.03, batch=2, holdout=1, rank=2, warmup=2
@@ -738,10 +745,9 @@ def test_positions_a_copy_already_drafts_weigh_copy_w_in_the_stream_loss(tmp_pat
     """`train-seeded --copy-w`: a draft where prompt lookup or the answer store is right already is redundant
     in m2r2's tree, so those positions weigh less in the CE and alignment losses."""
     from m2r2.decoding.answer_store import AnswerStore
-    from m2r2.engine import Engine
     from m2r2.training.copy_weights import copied_positions, copy_weights
     from m2r2.training.seeded_train import SeededTrainSettings, chain_losses, pad_batch, targets, train_seeded
-    from m2r2.training.store import StoreSettings, TrainStore, build_store, chat_encoder
+    from m2r2.training.store import TrainStore
 
     # lookup: at position 4 the 2-gram (5, 6) occurred before and was followed by 7, the next token
     assert copied_positions([5, 6, 7, 5, 6, 7, 8], None).tolist() == [0, 0, 0, 0, 1, 0, 0]
@@ -749,16 +755,7 @@ def test_positions_a_copy_already_drafts_weigh_copy_w_in_the_stream_loss(tmp_pat
     assert copied_positions([1, 2, 3, 9], store).tolist() == [0, 1, 0, 0]
     assert copy_weights([1, 2, 3, 9], store, 0.25).tolist() == [1.0, 0.25, 1.0, 1.0]
 
-    e = Engine(str(tiny_model(0)), dtype="fp32", quiet=True)
-    conv = tmp_path / "conv.jsonl"
-    _conversations(conv, 9)
-    build_store(
-        e.model,
-        e.fingerprint,
-        chat_encoder(e.tokenizer),
-        tmp_path / "st",
-        StoreSettings(data=str(conv), max_len=32, kv_layers=1),
-    )
+    e = _engine_and_store(tmp_path, tiny_model)
     s = SeededTrainSettings(store=str(tmp_path / "st"), out=tmp_path / "run", steps=2, batch=2, holdout=1, rank=2)
     stream = train_seeded(e.model, e.fingerprint, replace(s, copy_w=0.5), None)
     meta = json.loads((tmp_path / "run" / "adapters.json").read_text())
