@@ -12,6 +12,10 @@ A position counts as copied when the first token that prompt lookup (over the se
 sequence's next token: the copy a first draft competes with. Deeper drafts get the label of their
 own position (an approximation: the copy chain that competes with a draft at depth ``s`` started
 ``s - 1`` tokens earlier).
+
+Measured (docs/TRAINING.md, twenty-fifth round): at ``W`` 0.5 and 0.25 the SmolLM2 stream's first-draft
+agreement where no copy is right rose by less than 0.01 and end to end it tied; the positions copies miss
+are hard, not under-weighted. The shipped stream is trained with ``W`` = 1.
 """
 
 from __future__ import annotations
