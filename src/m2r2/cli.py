@@ -933,8 +933,8 @@ def _add_seeded_commands(sub: argparse._SubParsersAction) -> None:
         type=float,
         default=1.0,
         help="loss weight (0-1] of positions where prompt lookup or the answer store already proposes the next "
-        "token: a draft there is redundant in m2r2's tree (default 1: all positions alike; 0.5 and 0.25 measured a tie, "
-        "docs/TRAINING.md)",
+        "token: a draft there is redundant in m2r2's tree (default 1: all positions alike; 0.5 and 0.25 measured "
+        "a tie, docs/TRAINING.md)",
     )
     ts.add_argument(
         "--copy-answers",
