@@ -20,10 +20,12 @@ are hard, not under-weighted. The shipped stream is trained with ``W`` = 1.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
-from m2r2.decoding.answer_store import AnswerStore
+from m2r2.decoding.answer_store import AnswerStore, answer_store_for
 from m2r2.decoding.lookup import NgramIndex
 
 
@@ -47,3 +49,10 @@ def copied_positions(tokens: list[int], store: AnswerStore | None) -> Tensor:
 def copy_weights(tokens: list[int], store: AnswerStore | None, weight: float) -> Tensor:
     """float ``[n]``: ``weight`` at copied positions (:func:`copied_positions`), 1 elsewhere."""
     return torch.where(copied_positions(tokens, store), weight, 1.0)
+
+
+def copy_weigher(fingerprint: str, weight: float, answers: str | None) -> Callable[[list[int]], Tensor]:
+    """A sequence's tokens -> its loss weights (:func:`copy_weights`), judged with the answer store file
+    ``answers`` (None: the one shipped for the base model; loaded here, before any training work)."""
+    store = answer_store_for(fingerprint, answers)
+    return lambda tokens: copy_weights(tokens, store, weight)

@@ -45,6 +45,7 @@ from m2r2.errors import SettingsError
 from m2r2.model import Transformer
 from m2r2.multirate.seeded import SeededConfig, SeededFastStream
 from m2r2.training.checkpoint import load_checkpoint, save_checkpoint
+from m2r2.training.copy_weights import copy_weigher
 from m2r2.training.store import TrainStore, store_digest
 
 
@@ -298,15 +299,6 @@ def train_seeded(
     weigh = copy_weigher(fingerprint, s.copy_w, s.copy_answers) if s.copy_w != 1 else None
     train_on_store(fingerprint, s, seeded_trainee(stream, s.chain, s.align_w, s.arla_w, s.top1_w, weigh), log)
     return stream
-
-
-def copy_weigher(fingerprint: str, weight: float, answers: str | None) -> Callable[[list[int]], Tensor]:
-    """Per-position loss weights: ``weight`` where a copy source drafts the next token, else 1."""
-    from m2r2.decoding.answer_store import answer_store_for
-    from m2r2.training.copy_weights import copy_weights
-
-    store = answer_store_for(fingerprint, answers)
-    return lambda tokens: copy_weights(tokens, store, weight)
 
 
 def grown_layers(s: SeededTrainSettings) -> tuple[list[int], list[int]]:
