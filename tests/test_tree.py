@@ -778,5 +778,10 @@ def test_positions_a_copy_already_drafts_weigh_copy_w_in_the_stream_loss(tmp_pat
     assert torch.allclose(one["ce"], -(p[1, 2] * logp[1, 2]).sum())
     with pytest.raises(SettingsError, match="copy-w"):
         train_seeded(e.model, e.fingerprint, replace(s, out=tmp_path / "x", copy_w=0.0), None)
+    with pytest.raises(WeightsError, match="answer store"):  # a missing --copy-answers, before any training
+        train_seeded(
+            e.model, e.fingerprint, replace(s, out=tmp_path / "z", copy_w=0.5, copy_answers=str(tmp_path / "no")), None
+        )
+    assert not (tmp_path / "z" / "checkpoint.pt").exists()
     with pytest.raises(SettingsError, match="copy_w"):  # a resume must keep the weighting
         train_seeded(e.model, e.fingerprint, replace(s, copy_w=0.25, resume=True), None)
