@@ -116,11 +116,13 @@ def int8_rows(x: torch.Tensor) -> torch.Tensor:
 
 @needs_avx2
 @pytest.mark.parametrize("bits", [4, 8])
-def test_avx2_products_are_the_weights_times_int8_rounded_inputs(bits: int) -> None:
+@pytest.mark.parametrize("outputs", [192, 200])
+def test_avx2_products_are_the_weights_times_int8_rounded_inputs(bits: int, outputs: int) -> None:
     """The ``avx2`` products apply the same integers, steps and minima as the other kernels to inputs
     rounded per group of 32 to int8 (llama.cpp's Q8 rounding): x @ W^T of those inputs in float32,
-    rounded once to bf16 (within a bf16 step), and close to the bf16 product (int8 steps of ~0.4%)."""
-    lin, w = q4_1_layer(192, 96, seed=12) if bits == 4 else q8_0_layer(192, 96, seed=13)
+    rounded once to bf16 (within a bf16 step), and close to the bf16 product (int8 steps of ~0.4%).
+    200 outputs: 4-bit blocks in pairs and an odd last block alone (``interleave_pairs``)."""
+    lin, w = q4_1_layer(outputs, 96, seed=12) if bits == 4 else q8_0_layer(outputs, 96, seed=13)
     layer = (AmxInt4Linear if bits == 4 else AmxInt8Linear)(lin, products="avx2")
     assert layer.exact and layer.op == f"q{bits}_linear_avx2"
     x = torch.randn(7, 96, generator=torch.Generator().manual_seed(14)).to(torch.bfloat16)
@@ -135,15 +137,17 @@ def test_avx2_products_are_the_weights_times_int8_rounded_inputs(bits: int) -> N
 
 @needs_avx2
 @pytest.mark.parametrize("bits", [4, 8])
-def test_avx2_vnni_loop_gives_the_avx2_loop_s_bits(bits: int) -> None:
+@pytest.mark.parametrize("outputs", [192, 200])
+def test_avx2_vnni_loop_gives_the_avx2_loop_s_bits(bits: int, outputs: int) -> None:
     """On a CPU with AVX512-VNNI the AVX2 build sums byte products with VPDPBUSD (``q4_vnni.cpp``): the same
     integers as VPMADDUBSW + VPADDW + VPMADDWD, so every row of 1-9-row passes gets the same bits either way,
-    inputs at the int8 extremes included (every product at its bound)."""
+    inputs at the int8 extremes included (every product at its bound). Its 4-bit pairs of blocks in 512-bit
+    registers too: 200 outputs end in an odd block, which runs alone."""
     ext = amx.avx2_extension()
     if not ext.set_vnni(True):
         ext.set_vnni(False)
         pytest.skip("no AVX512-VNNI on this CPU")
-    lin, _ = q4_1_layer(192, 96, seed=21) if bits == 4 else q8_0_layer(192, 96, seed=22)
+    lin, _ = q4_1_layer(outputs, 96, seed=21) if bits == 4 else q8_0_layer(outputs, 96, seed=22)
     layer = (AmxInt4Linear if bits == 4 else AmxInt8Linear)(lin, products="avx2")
     g = torch.Generator().manual_seed(23)
     extreme = torch.where(torch.rand(9, 96, generator=g) < 0.5, -3.0, 3.0)  # every input rounds to +-127

@@ -20,6 +20,8 @@
 //                  in its low nibble and input 8j+4+i in its high nibble.
 //   8-bit qbytes : int8 [N/8, K/4, 32]: per 4 inputs 4j..4j+3, byte 4c+i is column c's input 4j+i.
 //   scales       : half [N/8, K/32, terms, 8]: per group the 8 steps d (then, 4-bit, the 8 minima m).
+// Both then with the groups of blocks 2p and 2p+1 interleaved (m2r2.kernels.interleave_pairs; an odd last
+// block alone): the AVX512-VNNI loop multiplies a pair in one 512-bit register (q4_rows.h).
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>
@@ -84,7 +86,8 @@ void linear_rows(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* qp,
   std::vector<float> step(M * G), qsum(M * G);
   quantize_rows(x, M, K, xq.data(), step.data(), qsum.data());
   const bool vnni = m2r2_avx2::vnni_in_use();
-  at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
+  at::parallel_for(0, (blocks + 1) / 2, 8, [&](int64_t p0, int64_t p1) {  // whole pairs of blocks (q4_rows.h)
+    const int64_t b0 = 2 * p0, b1 = std::min(2 * p1, blocks);
     if (vnni)
       m2r2_avx2::block_range_vnni(BITS, qp, sp, xq.data(), step.data(), qsum.data(), M, K, blocks, yp, b0, b1);
     else
