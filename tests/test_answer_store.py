@@ -51,6 +51,10 @@ def test_the_file_round_trips_and_refuses_another_model_or_a_damaged_file(tmp_pa
         wide = AnswerStore.build([ids], min_count=1)
         assert wide.to_tensors()["grams2"].dtype == dtype
         assert load_answer_store(save_answer_store(tmp_path / "w", wide, "fp-a"), "fp-a").entries() == wide.entries()
+    dotted = save_answer_store(tmp_path / "qwen2.5-coder-0.5b-answers", store, "fp-a")  # a name with dots keeps them
+    assert dotted.name == "qwen2.5-coder-0.5b-answers.safetensors" and dotted.with_suffix(".json").is_file()
+    for name in ("qwen2.5-coder-0.5b-answers", "qwen2.5-coder-0.5b-answers.json", dotted.name):
+        assert load_answer_store(tmp_path / name, "fp-a").entries() == store.entries()
     with pytest.raises(WeightsError, match="another base model"):
         load_answer_store(path, "fp-b")
     with pytest.raises(InputError, match="no follower shares"):  # a store built before shares were kept

@@ -35,15 +35,26 @@ class Kind:
     none_shipped: str  # the error when none ship for a model and no path is given
 
 
+def weights_path(path: Path | str) -> Path:
+    """The ``.safetensors`` file a user's ``NAME``, ``NAME.safetensors`` or ``NAME.json`` names.
+
+    Why not ``with_suffix``: a model's name carries dots (``qwen2.5-coder-0.5b-answers``), which it would
+    cut at the last one (writing ``qwen2.5-coder-0.safetensors``)."""
+    p = Path(path)
+    if p.suffix == ".safetensors":
+        return p
+    return p.with_name((p.name[: -len(".json")] if p.suffix == ".json" else p.name) + ".safetensors")
+
+
 def sidecar(path: Path) -> Path:
-    return Path(path).with_suffix(".json")
+    return weights_path(path).with_suffix(".json")
 
 
 def save(
     path: Path, tensors: dict[str, Tensor], kind: Kind, fingerprint: str, version: int, config: dict, **info: Any
 ) -> Path:
     """Write the weights, then the sidecar (config, fingerprint, checksum, then ``info``), each atomically."""
-    path = Path(path).with_suffix(".safetensors")
+    path = weights_path(path)
     atomic_write(path, lambda p: save_file(tensors, str(p), metadata={"format": kind.format}))
     meta = {"format": kind.format, "version": version, "config": config, "base_fingerprint": fingerprint}
     meta |= {"weights_sha256": file_hash(path), **info}
@@ -77,7 +88,7 @@ def is_kind(path: Path, kind: Kind) -> bool:
 
 def load(path: Path, kind: Kind, fingerprint: str) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """The tensors and sidecar of a bound file, after the fingerprint and checksum checks."""
-    path = Path(path).with_suffix(".safetensors")
+    path = weights_path(path)
     meta = read_meta(path, kind)
     if meta.get("base_fingerprint") != fingerprint:
         raise WeightsError(

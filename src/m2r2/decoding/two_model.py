@@ -320,7 +320,7 @@ def draft_vocab_for(engine: Loaded, spec: str | None) -> Tensor | None:
     path = Path(spec) if spec else bundled_adapters(engine.fingerprint, None)
     if path is None:
         return None
-    if not path.with_suffix(".safetensors").is_file():
+    if not weightfile.weights_path(path).is_file():
         raise InputError(f"draft_vocab: no adapter file {path}")
     return read_draft_vocab(path, engine.model.cfg.vocab_size)
 

@@ -103,7 +103,7 @@ def read_draft_vocab(path: Path, vocab_size: int) -> torch.Tensor | None:
     """The draft vocabulary stored in an adapter file (None if it has none), checksum checked, for *any* base
     model with the file's tokenizer: token ids belong to the tokenizer, not to the weights, so Qwen2.5-Coder-1.5B
     trains on the 0.5B's (built from the 0.5B's own answers) instead of scoring all 151,936 tokens."""
-    path = Path(path).with_suffix(".safetensors")
+    path = weightfile.weights_path(path)
     sd, _ = weightfile.load(path, ADAPTERS, read_meta(path).get("base_fingerprint", ""))
     return check_vocab(sd[DRAFT_VOCAB], vocab_size, path) if DRAFT_VOCAB in sd else None
 

@@ -35,6 +35,7 @@ from m2r2.model import Transformer
 from m2r2.multirate.fast import FastConfig, FastStream, block_starts
 from m2r2.multirate.io import save_adapters
 from m2r2.training.checkpoint import load_checkpoint, save_checkpoint
+from m2r2.weightfile import weights_path
 
 
 @dataclass
@@ -181,7 +182,7 @@ def init_from(stream: FastStream, path: Path) -> int:
 
     own = stream.state_dict()
     try:
-        with safe_open(str(Path(path).with_suffix(".safetensors")), framework="pt") as fh:
+        with safe_open(str(weights_path(path)), framework="pt") as fh:
             found = {k: fh.get_tensor(k) for k in fh.keys() if k in own}  # noqa: SIM118 (not a dict)
     except (SafetensorError, OSError, RuntimeError, ValueError) as e:
         raise WeightsError(f"cannot read adapters to start from, {path}: {e}") from e

@@ -312,8 +312,9 @@ def grown_layers(s: SeededTrainSettings) -> tuple[list[int], list[int]]:
     if not s.init:
         return [], []
     from m2r2.multirate.io import adapter_kind, read_meta
+    from m2r2.weightfile import weights_path
 
-    cfg = read_meta(Path(s.init).with_suffix(".safetensors"))["config"]
+    cfg = read_meta(weights_path(s.init))["config"]
     if adapter_kind(cfg) != "seeded":
         return [], []  # refused with a clear error when the file is loaded
     start = SeededConfig.from_dict(cfg)

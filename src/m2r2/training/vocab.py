@@ -142,4 +142,4 @@ def write_draft_vocab(
     info["draft_vocab"] = {"size": size, "data": str(data), "prompts": str(prompts) if prompts else None}
     out = out or src
     save(out, **info)
-    return out.with_suffix(".safetensors"), size
+    return weightfile.weights_path(out), size
