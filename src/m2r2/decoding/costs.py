@@ -100,10 +100,11 @@ COST_CACHE_MAX_AGE_S = 24 * 3600
 def code_stamp() -> str:
     """A digest of m2r2's own source files (names, sizes, modification times): costs measured under
     other code (a faster verify pass, a cheaper drafter) must not outlive it, and the version number
-    does not change with every edit. Stats ~100 files once per process."""
+    does not change with every edit. The C++ headers count: the 4-bit loop lives in one
+    (``csrc_avx2/q4_rows.h``). Stats ~100 files once per process."""
     root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
-    for f in sorted([*root.rglob("*.py"), *root.rglob("*.cpp")]):
+    for f in sorted([*root.rglob("*.py"), *root.rglob("*.cpp"), *root.rglob("*.h")]):
         st = f.stat()
         h.update(f"{f.relative_to(root)}:{st.st_size}:{st.st_mtime_ns};".encode())
     return h.hexdigest()[:16]
