@@ -9,18 +9,12 @@ import statistics
 import sys
 import time
 
-from m2r2.bench.datasets import load_dataset
-from m2r2.decoding.base import GenerationConfig
-from m2r2.engine import Engine
+from warmed import GEN as gen
+from warmed import warmed_first_turns
 
 n_prompts = int(sys.argv[1]) if len(sys.argv) > 1 else 8
-engine = Engine(threads=1, quiet=True)
+engine, ids = warmed_first_turns(n_prompts, 1)
 model = engine.model
-prompts = load_dataset("mt_bench", n_prompts).prompts
-ids = [engine.tokenizer.encode_chat([{"role": "user", "content": p.turns[0]}]) for p in prompts]
-gen = GenerationConfig(max_new_tokens=128)
-for method in ("vanilla", "m2r2"):
-    engine.generate_ids(ids[0], method, gen)  # warm-up (and the tree's cost measurement)
 times: dict[tuple[int, bool], list[float]] = collections.defaultdict(list)
 run_layers = model.run_layers
 

@@ -93,8 +93,9 @@ __attribute__((noinline)) void block(const uint8_t* qb, const uint16_t* sb, cons
 
 
 // "pair": two adjacent blocks (16 columns) at once, each column's sums and float terms in the default
-// order (same bits): every broadcast input and every row's loop serves twice the columns.
-template <int R, int PF>
+// order (same bits): every broadcast input and every row's loop serves twice the columns. VNNI ("vnni pair"):
+// the sums by VPDPBUSD, as the vnni loop (AVX-512VL's 32 registers hold 4 rows' two sums and outputs).
+template <int R, int PF, bool VNNI_SUMS = false>
 __attribute__((noinline)) void block_pair(const uint8_t* qb, const uint16_t* sb, const int8_t* xq, const float* step,
                                           const float* qsum, float* y) {
   const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0F);
@@ -120,6 +121,13 @@ __attribute__((noinline)) void block_pair(const uint8_t* qb, const uint16_t* sb,
       for (int r = 0; r < R; ++r) {
         const int8_t* xr = xq + r * K + g * 32 + 8 * h;
         const __m256i xa = b4(xr), xb = b4(xr + 4);
+#ifdef __AVX512VNNI__
+        if constexpr (VNNI_SUMS) {  // 32-bit sums (s16 holds them here)
+          s16[r][0] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(s16[r][0], lo0, xa), hi0, xb);
+          s16[r][1] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(s16[r][1], lo1, xa), hi1, xb);
+          continue;
+        }
+#endif
         s16[r][0] = _mm256_add_epi16(s16[r][0], _mm256_add_epi16(_mm256_maddubs_epi16(lo0, xa), _mm256_maddubs_epi16(hi0, xb)));
         s16[r][1] = _mm256_add_epi16(s16[r][1], _mm256_add_epi16(_mm256_maddubs_epi16(lo1, xa), _mm256_maddubs_epi16(hi1, xb)));
       }
@@ -130,7 +138,8 @@ __attribute__((noinline)) void block_pair(const uint8_t* qb, const uint16_t* sb,
       const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 8)));
       for (int r = 0; r < R; ++r) {
         const __m256 scaled = _mm256_mul_ps(d, _mm256_set1_ps(step[r * G + g]));
-        out[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s16[r][c], ones)), scaled, out[r][c]);
+        const __m256i wide = VNNI_SUMS ? s16[r][c] : _mm256_madd_epi16(s16[r][c], ones);
+        out[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(wide), scaled, out[r][c]);
         out[r][c] = _mm256_fmadd_ps(mn, _mm256_set1_ps(qsum[r * G + g]), out[r][c]);
       }
     }
@@ -140,53 +149,6 @@ __attribute__((noinline)) void block_pair(const uint8_t* qb, const uint16_t* sb,
 }
 
 #ifdef __AVX512VNNI__
-// "vnni pair": the vnni loop over two adjacent blocks (16 columns) at once, in two ymm sums a row: each
-// broadcast input and each row's float step serve twice the columns (AVX-512VL's 32 registers hold 4 rows).
-template <int R, int PF>
-__attribute__((noinline)) void block_vnni_pair(const uint8_t* qb, const uint16_t* sb, const int8_t* xq,
-                                               const float* step, const float* qsum, float* y) {
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
-  const uint8_t* qb2 = qb + G * 128;
-  const uint16_t* sb2 = sb + G * 16;
-  __m256 out[R][2];
-  for (int r = 0; r < R; ++r) out[r][0] = out[r][1] = _mm256_setzero_ps();
-  for (int g = 0; g < G; ++g) {
-    const uint8_t *qg = qb + g * 128, *qg2 = qb2 + g * 128;
-    if (PF)
-      for (int line = 0; line < 128; line += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(qg + PF + line), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(qg2 + PF + line), _MM_HINT_T0);
-      }
-    __m256i s[R][2];
-    for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm256_setzero_si256();
-#pragma GCC unroll 1
-    for (int h = 0; h < 4; ++h) {
-      const __m256i b0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + 32 * h));
-      const __m256i b1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg2 + 32 * h));
-      const __m256i lo0 = _mm256_and_si256(b0, low4), hi0 = _mm256_and_si256(_mm256_srli_epi16(b0, 4), low4);
-      const __m256i lo1 = _mm256_and_si256(b1, low4), hi1 = _mm256_and_si256(_mm256_srli_epi16(b1, 4), low4);
-      for (int r = 0; r < R; ++r) {
-        const int8_t* xr = xq + r * K + g * 32 + 8 * h;
-        const __m256i xa = b4(xr), xb = b4(xr + 4);
-        s[r][0] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(s[r][0], lo0, xa), hi0, xb);
-        s[r][1] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(s[r][1], lo1, xa), hi1, xb);
-      }
-    }
-    for (int c = 0; c < 2; ++c) {
-      const uint16_t* sc = (c ? sb2 : sb) + g * 16;
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
-      const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 8)));
-      for (int r = 0; r < R; ++r) {
-        const __m256 scaled = _mm256_mul_ps(d, _mm256_set1_ps(step[r * G + g]));
-        out[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][c]), scaled, out[r][c]);
-        out[r][c] = _mm256_fmadd_ps(mn, _mm256_set1_ps(qsum[r * G + g]), out[r][c]);
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < 2; ++c) _mm256_storeu_ps(y + r * 16 + 8 * c, out[r][c]);
-}
-
 // "vnni zmm": the same two blocks in one 512-bit register a row (Zen 4 runs a 512-bit op as two 256-bit
 // halves: the same multiply-adds in half the instructions); each lane's operations are the ymm loop's.
 template <int R, int PF, int MIXED = 0>
@@ -274,7 +236,7 @@ Entry pair(const char* name) {
 #ifdef __AVX512VNNI__
 template <int R>
 Entry vnni_pair(const char* name) {
-  return {name, R, 2, block_vnni_pair<R, 0>, block_vnni_pair<R, 4096>};
+  return {name, R, 2, block_pair<R, 0, true>, block_pair<R, 4096, true>};
 }
 template <int R, int PF = 4096, int MIXED = 0>
 Entry vnni_zmm(const char* name) {
@@ -301,7 +263,7 @@ int differing() {
     block<R, VNNI, 0>(qb.data() + c * G * 128, sb.data() + c * G * 16, xq.data(), step.data(), qsum.data(), one.data());
     for (int r = 0; r < R; ++r) std::copy(one.begin() + r * 8, one.begin() + r * 8 + 8, ref.begin() + r * 16 + 8 * c);
   }
-  block_vnni_pair<R, 0>(qb.data(), sb.data(), xq.data(), step.data(), qsum.data(), pair.data());
+  block_pair<R, 0, true>(qb.data(), sb.data(), xq.data(), step.data(), qsum.data(), pair.data());
   block_vnni_zmm<R, 0>(qb.data(), sb.data(), xq.data(), step.data(), qsum.data(), zmm.data());
   int bad = 0;
   for (int i = 0; i < R * 16; ++i)

@@ -17,19 +17,12 @@ import statistics
 import sys
 import time
 
-from m2r2.bench.datasets import load_dataset
-from m2r2.decoding.base import GenerationConfig
-from m2r2.engine import Engine
+from warmed import GEN, warmed_first_turns
 
 n_prompts = int(sys.argv[1]) if len(sys.argv) > 1 else 12
 threads = int(sys.argv[2]) if len(sys.argv) > 2 else 2
-engine = Engine(threads=threads, quiet=True)
+engine, ids = warmed_first_turns(n_prompts, threads)
 model = engine.model
-prompts = load_dataset("mt_bench", n_prompts).prompts
-ids = [engine.tokenizer.encode_chat([{"role": "user", "content": p.turns[0]}]) for p in prompts]
-gen = GenerationConfig(max_new_tokens=128)
-for method in ("vanilla", "m2r2"):
-    engine.generate_ids(ids[0], method, gen)  # warm-up (and the tree's cost measurement)
 run_layers = model.run_layers
 timings: dict[tuple[str, int], list[tuple[float, ...]]] = collections.defaultdict(list)
 method = ""
@@ -51,7 +44,7 @@ def timed_thrice(x, cache, pos, *args, **kwargs):
 model.run_layers = timed_thrice
 for method in ("vanilla", "m2r2"):
     for prompt in ids[1:]:
-        engine.generate_ids(prompt, method, gen)
+        engine.generate_ids(prompt, method, GEN)
 print(f"{engine.kernel} kernel, {threads} thread(s), MT-Bench first turns 2..{n_prompts}; medians of the layers' pass")
 print("| method | rows | passes | in situ (ms) | repeated at once (ms) | again (ms) |")
 print("|---|--:|--:|--:|--:|--:|")

@@ -10,22 +10,17 @@ import collections
 import sys
 import time
 
-from m2r2.bench.datasets import load_dataset
+from warmed import GEN, warmed_first_turns
+
 from m2r2.cache import KVCache
 from m2r2.decoding import tree as tree_mod
-from m2r2.decoding.base import GenerationConfig
-from m2r2.engine import Engine
 
 n_prompts = int(sys.argv[1]) if len(sys.argv) > 1 else 8
 first = int(sys.argv[2]) if len(sys.argv) > 2 else 0
 threads = int(sys.argv[3]) if len(sys.argv) > 3 else 1
-engine = Engine(threads=threads, quiet=True)
+engine, ids = warmed_first_turns(n_prompts, threads, first)
 model = engine.model
-prompts = load_dataset("mt_bench", first + n_prompts).prompts[first:]
-ids = [engine.tokenizer.encode_chat([{"role": "user", "content": p.turns[0]}]) for p in prompts]
-gen = GenerationConfig(max_new_tokens=128)
-for method in ("vanilla", "m2r2"):
-    engine.generate_ids(ids[0], method, gen)  # warm-up (and the tree's cost measurement)
+gen = GEN
 
 spent: dict[str, float] = collections.defaultdict(float)
 
