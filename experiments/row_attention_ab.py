@@ -3,7 +3,9 @@
 (best of 300, 1 thread) for SmolLM2's 9/3 heads at 264 and 600 keys, 1 and 4 rows. ``against DIR`` instead
 builds the ``csrc_avx2`` sources in DIR (a copy of the old ones) and compares the two builds call by call over
 2,520 more cases (7 head layouts, head sizes 8-256, 1-300 keys, 1-9 rows, batches of 1-2, 1 and 2 threads;
-half of them with random masks, half with a verify pass's tree masks).
+half of them with random masks, half with a verify pass's tree masks; half with queries rounded to bfloat16, as a
+bfloat16 model's are, which a bfloat16 cache runs on the AVX-512 build where the CPU has AVX512-BF16). The timings
+run SmolLM2's bfloat16 queries, with the AVX-512 build off and on where this CPU has it.
 
     git stash; python experiments/row_attention_ab.py save runs/attn-ref.pt; git stash pop
     python experiments/row_attention_ab.py check runs/attn-ref.pt
@@ -48,6 +50,8 @@ if sys.argv[1] == "against":
         torch.set_num_threads(threads)
         B = 1 + (n // 2) % 2
         q = torch.randn(B, H, T, D, generator=g) * 2
+        if n // 4 % 2:
+            q = q.bfloat16().float()
         k = (torch.randn(B, KVH, S + 3, D, generator=g) * 2).to(dt)
         v = torch.randn(B, KVH, S + 3, D, generator=g).to(dt)
         if n % 2:
@@ -57,7 +61,7 @@ if sys.argv[1] == "against":
         mask[:, :, S:] = False
         args = (q, k, v, mask, D**-0.5)
         assert torch.equal(ext.row_attention(*args), old.row_attention(*args)), (H, KVH, D, dt, S, T, threads)
-    print("cases", n + 1, "identical (half random masks, half tree masks)")
+    print("cases", n + 1, "identical (half random masks, half tree masks; half bfloat16 queries)")
     sys.exit()
 torch.manual_seed(0)
 cases = []
@@ -82,13 +86,18 @@ else:
 torch.set_num_threads(1)
 for S in (264, 600):
     for T in (1, 4):
-        q = torch.randn(1, 9, T, 64)
+        q = torch.randn(1, 9, T, 64).bfloat16().float()
         k = torch.randn(1, 3, S, 64).bfloat16()
         v = torch.randn(1, 3, S, 64).bfloat16()
         m = torch.ones(1, T, S, dtype=torch.bool)
-        best = 1e9
-        for _ in range(300):
-            t = time.perf_counter()
-            ext.row_attention(q, k, v, m, 0.125)
-            best = min(best, time.perf_counter() - t)
-        print(f"S={S} T={T}: {best * 1e6:.1f} us")
+        times = []
+        for wide in (False, True):
+            ext.set_avx512_attention(wide)
+            best = 1e9
+            for _ in range(300):
+                t = time.perf_counter()
+                ext.row_attention(q, k, v, m, 0.125)
+                best = min(best, time.perf_counter() - t)
+            times.append(f"{best * 1e6:.1f} us")
+        ext.set_avx512_attention(True)
+        print(f"S={S} T={T}: {times[0]}, AVX-512 build {times[1] if ext.avx512_attention_in_use() else '(not here)'}")

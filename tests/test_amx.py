@@ -4,6 +4,8 @@ pass size; and the per-row helpers (row attention, RMSNorm, argmax) of each buil
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -361,6 +363,52 @@ def test_row_attention_batches_sequences_exactly(ext) -> None:
     for b in range(3):
         alone = ext().row_attention(q[b : b + 1], k[b : b + 1], v[b : b + 1], mask[b : b + 1], 0.125)
         assert torch.equal(out[b : b + 1], alone)
+
+
+@needs_avx2
+@pytest.mark.parametrize("threads", [1, 2])
+def test_avx512_row_attention_gives_the_avx2_attention_s_bits(threads: int) -> None:
+    """On a CPU with AVX512-BF16 a bfloat16 cache and bfloat16 queries (a bfloat16 model's) run the row attention's
+    AVX-512 build (``attend_avx512.cpp``: scores by VDPBF16PS, weighted values 16 lanes at a time): every output
+    has the AVX2 path's bits, for SmolLM2's, Qwen's and one-query-per-key layouts, head sizes 64-256, key counts
+    off a multiple of four, random and tree masks, and rows that allow no key. Queries off bfloat16 and float32
+    caches keep the AVX2 path."""
+    ext = amx.avx2_extension()
+    if not ext.set_avx512_attention(True):
+        ext.set_avx512_attention(False)
+        pytest.skip("no AVX512-BF16 on this CPU")
+    g = torch.Generator().manual_seed(31)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for (heads, kv_heads), d, s, t in itertools.product(
+            [(9, 3), (14, 2), (4, 4), (8, 1)], [64, 128, 256], [1, 6, 53, 301], [1, 3, 6]
+        ):
+            q = (torch.randn(1, heads, t, d, generator=g) * 3).bfloat16().float()
+            k = (torch.randn(1, kv_heads, s, d, generator=g) * 2).bfloat16()
+            v = torch.randn(1, kv_heads, s, d, generator=g).bfloat16()
+            mask = torch.rand(1, t, s, generator=g) < 0.8
+            if s > t:  # a verify pass's tree: the prefix, then each row's ancestors among the pass's rows
+                mask[..., : s - t] = True
+                mask[..., s - t :] = torch.rand(t, t, generator=g).tril() < 0.6
+            mask[0, 0] = False  # a row that allows no key
+            outs = []
+            for wide in (True, False):
+                ext.set_avx512_attention(wide)
+                outs.append(ext.row_attention(q, k, v, mask, d**-0.5))
+            assert torch.equal(outs[0], outs[1]), (heads, kv_heads, d, s, t)
+        ext.set_avx512_attention(True)
+        q = torch.randn(1, 9, 2, 64, generator=g)  # off bfloat16: the AVX2 path either way
+        k, v = torch.randn(2, 1, 3, 40, 64, generator=g)
+        mask = torch.ones(1, 2, 40, dtype=torch.bool)
+        for cache in (k.bfloat16(), k):
+            ext.set_avx512_attention(True)
+            on = ext.row_attention(q, cache, v.to(cache.dtype), mask, 0.125)
+            ext.set_avx512_attention(False)
+            assert torch.equal(on, ext.row_attention(q, cache, v.to(cache.dtype), mask, 0.125))
+    finally:
+        ext.set_avx512_attention(True)
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("ext", HELPERS)

@@ -23,6 +23,19 @@ void rms_norm_rows(const at::BFloat16* x, const at::BFloat16* w, int64_t rows, i
 // h, s}; mask [T, S] per batch item (item stride mb); out [B, T, H, D] float32
 void attention_rows(const float* q, const void* k, const void* v, bool bf16, const int64_t* kv, const bool* mask,
                     int64_t mb, float* out, int64_t B, int64_t H, int64_t T, int64_t D, int64_t KVH, int64_t S, float sc);
+// The row attention's AVX-512 build (attend_avx512.cpp: the AVX2 path's bits), where the CPU has AVX512-BF16: whether
+// it is in use (neither M2R2_NO_AVX512_ATTENTION=1 nor set_avx512_attention(false) turned it off), the switch (returns
+// whether it was in use), whether a head size takes it, then its two parts for G query vectors (q, qstride apart;
+// bfloat16 values) over n keys of a bfloat16 cache: the scores e[g * estride + i] = sc * q_g . k[keys[i]] (four keys
+// at a time: up to 3 spare slots past n get written) and the weighted values out[g * D + d] = sum_i e[g * estride + i]
+// v[keys[i]][d] / tots[g]
+bool avx512_attention_in_use();
+bool set_avx512_attention(bool on);
+bool avx512_attention_fits(int64_t D);
+void scores_avx512(const float* q, int64_t qstride, int64_t G, const at::BFloat16* kb, int64_t ks, const int32_t* keys,
+                 int64_t n, int64_t D, float sc, float* e, int64_t estride);
+void values_avx512(const float* e, int64_t estride, int64_t G, const int32_t* keys, int64_t n, const at::BFloat16* vb,
+                 int64_t vs, const float* tots, float* out, int64_t D);
 // silu(gate) * up of rows [gate (m) | up (m)] into [rows, m]
 void silu_mul_rows(const at::BFloat16* gu, int64_t rows, int64_t m, uint16_t* out);
 

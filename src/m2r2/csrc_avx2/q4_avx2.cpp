@@ -161,5 +161,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_block(m);
   m.def("vnni_in_use", &m2r2_avx2::vnni_in_use, "whether the 4/8-bit linears run on AVX512-VNNI (same bits)");
   m.def("set_vnni", &m2r2_avx2::set_vnni, "turn the AVX512-VNNI loop on (where the CPU has it) or off");
+  m.def("avx512_attention_in_use", &m2r2_avx2::avx512_attention_in_use,
+        "whether the row attention runs its AVX-512 build (same bits)");
+  m.def("set_avx512_attention", &m2r2_avx2::set_avx512_attention,
+        "turn the AVX-512 row attention on (where the CPU has AVX512-BF16) or off");
   m.def("usable", &usable, "whether this CPU can run the kernels (AVX2, FMA, F16C)");
 }

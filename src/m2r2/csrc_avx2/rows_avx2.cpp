@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 namespace {
 
@@ -160,6 +161,15 @@ inline void weigh_all(const float* e, int64_t estride, const int32_t* keys, int6
   for (; d0 < D; d0 += 8) weigh<GN, 1>(e, estride, keys, n, vb, vs, d0, tots, out, D);
 }
 
+// GN vectors' sums of exponentials (rows estride apart), each key by key in cache order, side by side
+template <int GN>
+inline void sum_keys(const float* e, int64_t estride, int64_t n, float* tots) {
+  float t[GN] = {};
+  for (int64_t i = 0; i < n; ++i)
+    for (int j = 0; j < GN; ++j) t[j] += e[j * estride + i];
+  for (int j = 0; j < GN; ++j) tots[j] = t[j];
+}
+
 // One query row of one key head: its G query vectors attend the allowed keys in increasing cache
 // position, every sum in that order (a score's multiply-adds over D in chunks of 8, one horizontal
 // sum; the sum of exponentials and each output lane's weighted values key by key), so a row's bits
@@ -167,10 +177,21 @@ inline void weigh_all(const float* e, int64_t estride, const int32_t* keys, int6
 template <typename KT>
 void attend_row(const float* q, int64_t qstride, const KT* kb, int64_t ks, const KT* vb, int64_t vs, const bool* m,
                 int64_t S, int64_t G, int64_t D, float sc, float* out, std::vector<int32_t>& keys,
-                std::vector<float>& e, std::vector<float>& tots) {
+                std::vector<float>& e, std::vector<float>& tots, bool wide) {
   keys.resize(S);
-  int64_t n = 0;
-  for (int64_t s = 0; s < S; ++s)
+  int64_t n = 0, s = 0;
+  for (; s + 8 <= S; s += 8) {  // eight allowed slots at once where a run of them is (a verified prefix)
+    uint64_t eight;
+    std::memcpy(&eight, m + s, 8);
+    if (eight == 0x0101010101010101ull) {
+      for (int j = 0; j < 8; ++j) keys[n + j] = static_cast<int32_t>(s + j);
+      n += 8;
+    } else if (eight != 0) {
+      for (int64_t j = s; j < s + 8; ++j)
+        if (m[j]) keys[n++] = static_cast<int32_t>(j);
+    }
+  }
+  for (; s < S; ++s)
     if (m[s]) keys[n++] = static_cast<int32_t>(s);
   if (n == 0) {  // no key: the row attends nothing (zeros, as csrc/row_attention.cpp gives)
     std::fill(out, out + G * D, 0.0f);
@@ -178,7 +199,10 @@ void attend_row(const float* q, int64_t qstride, const KT* kb, int64_t ks, const
   }
   const int64_t es = n + 8;  // e has 8 spare slots past n: a short block's extra scores land there
   e.resize(G * es);
-  for (int64_t i0 = 0; i0 < n; i0 += 4) {  // four keys at a time; a short block repeats its last key
+  if constexpr (std::is_same_v<KT, at::BFloat16>) {
+    if (wide) scores_avx512(q, qstride, G, kb, ks, keys.data(), n, D, sc, e.data(), es);  // the same bits
+  }
+  for (int64_t i0 = 0; i0 < n && !wide; i0 += 4) {  // four keys at a time; a short block repeats its last key
     const int64_t nb = std::min<int64_t>(4, n - i0);
     const KT* k4[4];
     for (int64_t j = 0; j < 4; ++j) k4[j] = kb + keys[i0 + std::min(j, nb - 1)] * ks;
@@ -206,12 +230,19 @@ void attend_row(const float* q, int64_t qstride, const KT* kb, int64_t ks, const
   }
   // each vector's sum of exponentials key by key, in cache order; the G sums advance side by side
   for (int64_t g0 = 0; g0 < G; g0 += 4) {
-    const int gn = static_cast<int>(std::min<int64_t>(4, G - g0));
-    float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     const float* eg = e.data() + g0 * es;
-    for (int64_t i = 0; i < n; ++i)
-      for (int j = 0; j < gn; ++j) t[j] += eg[j * es + i];
-    for (int j = 0; j < gn; ++j) tots[g0 + j] = t[j];
+    switch (std::min<int64_t>(4, G - g0)) {
+      case 4: sum_keys<4>(eg, es, n, tots.data() + g0); break;
+      case 3: sum_keys<3>(eg, es, n, tots.data() + g0); break;
+      case 2: sum_keys<2>(eg, es, n, tots.data() + g0); break;
+      default: sum_keys<1>(eg, es, n, tots.data() + g0); break;
+    }
+  }
+  if constexpr (std::is_same_v<KT, at::BFloat16>) {
+    if (wide) {  // the same sums on 16 lanes at once
+      values_avx512(e.data(), es, G, keys.data(), n, vb, vs, tots.data(), out, D);
+      return;
+    }
   }
   for (int64_t g0 = 0; g0 < G; g0 += 3) {
     const float* eg = e.data() + g0 * es;
@@ -223,17 +254,31 @@ void attend_row(const float* q, int64_t qstride, const KT* kb, int64_t ks, const
   }
 }
 
+// whether n float32 values are all bfloat16 values (their low 16 bits zero): queries attend_avx512.cpp can take
+inline bool holds_bfloat16(const float* p, int64_t n) {
+  uint32_t low = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, p + i, 4);
+    low |= bits & 0xFFFFu;
+  }
+  return low == 0;
+}
+
 template <typename KT>
 void run_rows(const float* qp, const KT* kp, const KT* vp, const bool* mp, float* op, int64_t B, int64_t H, int64_t T,
               int64_t D, int64_t KVH, int64_t S, const int64_t* kv, int64_t mb, float sc) {
   const int64_t G = H / KVH;
+  // a bfloat16 cache and bfloat16 queries (every bfloat16 model's): the AVX-512 build of the same sums
+  const bool wide = std::is_same_v<KT, at::BFloat16> && avx512_attention_in_use() && avx512_attention_fits(D) &&
+                    holds_bfloat16(qp, B * H * T * D);
   at::parallel_for(0, B * KVH * T, 1, [&](int64_t i0, int64_t i1) {
     thread_local std::vector<int32_t> keys;
     thread_local std::vector<float> e, tots;
     for (int64_t item = i0; item < i1; ++item) {
       const int64_t b = item / (KVH * T), h = item / T % KVH, t = item % T;
       attend_row(qp + ((b * H + h * G) * T + t) * D, T * D, kp + b * kv[0] + h * kv[1], kv[2], vp + b * kv[3] + h * kv[4],
-                 kv[5], mp + b * mb + t * S, S, G, D, sc, op + ((b * T + t) * H + h * G) * D, keys, e, tots);
+                 kv[5], mp + b * mb + t * S, S, G, D, sc, op + ((b * T + t) * H + h * G) * D, keys, e, tots, wide);
     }
   });
 }
