@@ -26,7 +26,6 @@
 #include "simd2.h"
 
 #include <atomic>
-#include <cstdlib>
 #include <cstring>
 
 #pragma GCC target("avx512f,avx512vl,avx512bw,avx512bf16")
@@ -120,11 +119,7 @@ inline void weigh64(const float* e, int64_t estride, const int32_t* keys, int64_
 }
 
 bool cpu_has_avx512_bf16() { return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw"); }
-bool avx512_attention_wanted() {
-  const char* off = std::getenv("M2R2_NO_AVX512_ATTENTION");
-  return cpu_has_avx512_bf16() && !(off && off[0] == '1');
-}
-std::atomic<bool> avx512_attention_on{avx512_attention_wanted()};
+std::atomic<bool> avx512_attention_on{cpu_has_avx512_bf16() && !m2r2_avx2::turned_off("M2R2_NO_AVX512_ATTENTION")};
 
 }  // namespace
 

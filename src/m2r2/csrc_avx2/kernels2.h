@@ -4,7 +4,15 @@
 
 #include <torch/extension.h>
 
+#include <cstdlib>
+
 namespace m2r2_avx2 {
+
+// whether the environment variable `name` is "1": how a user turns off a build chosen at run time (M2R2_NO_VNNI, ...)
+inline bool turned_off(const char* name) {
+  const char* v = std::getenv(name);
+  return v && v[0] == '1';
+}
 
 // y [M, blocks * 8] (bfloat16 bits) = x [M, K] times a packed 4-bit (bits 4) or 8-bit (bits 8) weight
 void linear_rows(int bits, const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* qbytes, const at::Half* scales,

@@ -119,11 +119,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor qbytes, torch::Tensor scales
 namespace m2r2_avx2 {
 namespace {
 bool cpu_has_vnni() { return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl"); }
-bool vnni_wanted() {
-  const char* off = std::getenv("M2R2_NO_VNNI");
-  return cpu_has_vnni() && !(off && off[0] == '1');
-}
-std::atomic<bool> vnni_on{vnni_wanted()};
+std::atomic<bool> vnni_on{cpu_has_vnni() && !turned_off("M2R2_NO_VNNI")};
 }  // namespace
 
 bool vnni_in_use() { return vnni_on.load(std::memory_order_relaxed); }
