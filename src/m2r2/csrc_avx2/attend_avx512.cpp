@@ -2,9 +2,9 @@
 // Zen 4/5, Intel Cooper Lake and later), chosen at run time; the extension itself is built with AVX2 flags only
 // and still loads on AVX2 CPUs. Every output gets the AVX2 path's bits (tested).
 //
-// Why: in a SmolLM2 pass at 250-500 cached tokens the row attention took a fifth to a third of a layer's time at
-// one row (experiments/block_phases.py); at two threads this build cut it by ~40% in situ, and a pass's layers by
-// 7-10% at 250 tokens.
+// Why: in a SmolLM2 pass at 250-500 cached tokens the row attention took a fifth to a third of a block's time at
+// one row (experiments/block_phases.py); at two threads this build cuts it by 30-45% and a pass's layers by 4-15%
+// (experiments/attention_insitu.py).
 //
 // The scores: VDPBF16PS multiplies pairs of bfloat16 values and adds both products to a float32 lane in one
 // instruction, and where the keys and the query are bfloat16 (a bfloat16 cache, and a query rounded to bfloat16, as

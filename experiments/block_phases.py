@@ -1,0 +1,98 @@
+"""Where a fused decoder block's time goes, phase by phase: a copy of ``csrc_avx2/`` whose ``block_avx2.cpp`` has a
+timer around each phase (norm, q/k/v, RoPE and the K/V write, attention, the output projection, residual and norm,
+gate|up, SwiGLU's product, down, the last add) is built as its own extension and put in the engine's place; the
+bundled model's first BLOCKS blocks then run over T = 1, 2, 4, 8 rows after a CTX-token context (MT-Bench's first
+prompt repeated), the mask showing the whole context, 200 passes each. Prints microseconds per block at one row and
+per extra row (from 1 to 8 rows) for the four linears, the attention and the element-wise rest.
+
+    python experiments/block_phases.py [THREADS] [BLOCKS] [CTX ...]
+"""
+
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from m2r2 import amx
+
+threads = int(sys.argv[1]) if len(sys.argv) > 1 else 2
+blocks = int(sys.argv[2]) if len(sys.argv) > 2 else 10
+contexts = [int(a) for a in sys.argv[3:]] or [250, 500]
+
+# the timed copy: PH(i) adds the time since the previous mark to phase i (0 q/k/v, 2 attention, 4 output, 5 gate|up,
+# 6 down, 11 every element-wise step between them)
+src = Path(amx.__file__).with_name("csrc_avx2")
+tmp = Path(tempfile.mkdtemp())
+for f in src.iterdir():
+    if f.suffix in (".cpp", ".h"):
+        shutil.copy(f, tmp / f.name)
+block = (tmp / "block_avx2.cpp").read_text()
+edits = [
+    (
+        "namespace {\n\nusing namespace m2r2_avx2;\n\ninline const at::BFloat16* as_bf16",
+        "#include <chrono>\ndouble phase_ns[12];\nlong phase_calls;\ninline double now_ns() {\n  return "
+        "std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now().time_since_epoch()).count();\n}\n"
+        "#define PH(i) t2_ = now_ns(); phase_ns[i] += t2_ - t_; t_ = t2_;\n"
+        "namespace {\n\nusing namespace m2r2_avx2;\n\ninline const at::BFloat16* as_bf16",
+    ),
+    (
+        "  std::vector<uint16_t> h(T * d)",
+        "  double t_ = now_ns(), t2_;\n  ++phase_calls;\n  std::vector<uint16_t> h(T * d)",
+    ),
+    ("  w.qkv.run(h.data(), T, y.data());\n", "  PH(11) w.qkv.run(h.data(), T, y.data());\n  PH(0)\n"),
+    ("  const int64_t kv[6] = {k_cache.stride(0)", "  PH(11)\n  const int64_t kv[6] = {k_cache.stride(0)"),
+    ("  for (int64_t i = 0; i < T * nq; i += 8)", "  PH(2) for (int64_t i = 0; i < T * nq; i += 8)"),
+    ("  w.o.run(o.data(), T, a.data());\n", "  PH(11) w.o.run(o.data(), T, a.data());\n  PH(4)\n"),
+    ("  w.w13.run(h.data(), T, gu.data());\n", "  PH(11) w.w13.run(h.data(), T, gu.data());\n  PH(5)\n"),
+    ("  w.w2.run(act.data(), T, op);\n", "  PH(11) w.w2.run(act.data(), T, op);\n  PH(6)\n"),
+    ("  add_bf16(a.data(), op, op, T * d);\n}", "  add_bf16(a.data(), op, op, T * d);\n  PH(11)\n}"),
+    (
+        "void bind_block(pybind11::module& m) {",
+        "std::vector<double> phases() {\n  std::vector<double> v(phase_ns, phase_ns + 12);\n"
+        "  v.push_back(phase_calls);\n"
+        "  for (auto& x : phase_ns) x = 0;\n  phase_calls = 0;\n  return v;\n}\n"
+        'void bind_block(pybind11::module& m) {\n  m.def("phases", &phases, "phase times (ns), then calls");',
+    ),
+]
+for old, new in edits:
+    assert block.count(old) == 1, f"block_avx2.cpp changed: {old[:40]!r}"
+    block = block.replace(old, new)
+(tmp / "block_avx2.cpp").write_text(block)
+ext = amx._build("phases", sorted(tmp.glob("*.cpp")), sorted(tmp.glob("*.h")), list(amx.AVX2_FLAGS))
+assert ext is not None, "the timed build failed"
+amx.avx2_extension = lambda: ext  # the engine's blocks are made from this build
+
+from warmed import warmed_first_turns  # noqa: E402 (after the swap: the engine builds its blocks on load)
+
+from m2r2.cache import KVCache  # noqa: E402
+
+engine, ids = warmed_first_turns(2, threads)
+model = engine.model
+parts = {"the four linears": (0, 4, 5, 6), "row attention": (2,), "element-wise (one thread)": (1, 3, 11)}
+print(f"{engine.kernel}, {threads} thread(s), the first {blocks} blocks; us per block (means of 200 passes)")
+print("| context | part | one row | per extra row (1 to 8 rows) |")
+print("|--:|---|--:|--:|")
+with torch.no_grad():
+    for ctx in contexts:
+        cache = KVCache(model.cfg, ctx + 64, dtype=torch.bfloat16)
+        toks = torch.tensor([(ids[0] * (ctx // len(ids[0]) + 1))[:ctx]])
+        model.run_layers(model.embed_tokens(toks), cache, 0)
+        per_t = {}
+        for T in (1, 2, 4, 8):
+            x = model.embed_tokens(toks[:, :T])
+            positions = torch.arange(ctx, ctx + T)
+            mask = torch.ones(T, ctx + T, dtype=torch.bool).tril(ctx)
+            for _ in range(20):
+                model.run_layers(x, cache, ctx, positions=positions, mask=mask, stop=blocks)
+            ext.phases()
+            t = time.perf_counter()
+            for _ in range(200):
+                model.run_layers(x, cache, ctx, positions=positions, mask=mask, stop=blocks)
+            v = ext.phases()
+            per_t[T] = [ns / v[-1] / 1e3 for ns in v[:-1]]
+        for name, idx in parts.items():
+            one, eight = (sum(per_t[T][i] for i in idx) for T in (1, 8))
+            print(f"| {ctx} | {name} | {one:.1f} | {(eight - one) / 7:.1f} |")
