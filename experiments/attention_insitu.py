@@ -12,10 +12,9 @@ import sys
 import time
 
 import torch
-from warmed import warmed_first_turns
+from warmed import filled_context, warmed_first_turns
 
 from m2r2 import amx
-from m2r2.cache import KVCache
 
 threads = int(sys.argv[1]) if len(sys.argv) > 1 else 2
 contexts = [int(a) for a in sys.argv[2:]] or [250, 500]
@@ -41,9 +40,7 @@ print("| context | rows | whole pass, off / on | attention (whole - rows only), 
 print("|--:|--:|---|---|")
 with torch.no_grad():
     for ctx in contexts:
-        cache = KVCache(model.cfg, ctx + 64, dtype=torch.bfloat16)
-        toks = torch.tensor([(ids[0] * (ctx // len(ids[0]) + 1))[:ctx]])
-        model.run_layers(model.embed_tokens(toks), cache, 0)
+        cache, toks = filled_context(model, ids[0], ctx)
         for T in (1, 2, 4, 8):
             x = model.embed_tokens(toks[:, :T])
             positions = torch.arange(ctx, ctx + T)

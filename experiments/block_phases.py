@@ -65,21 +65,18 @@ ext = amx._build("phases", sorted(tmp.glob("*.cpp")), sorted(tmp.glob("*.h")), l
 assert ext is not None, "the timed build failed"
 amx.avx2_extension = lambda: ext  # the engine's blocks are made from this build
 
-from warmed import warmed_first_turns  # noqa: E402 (after the swap: the engine builds its blocks on load)
-
-from m2r2.cache import KVCache  # noqa: E402
+# after the swap: the engine builds its blocks on load
+from warmed import filled_context, warmed_first_turns  # noqa: E402
 
 engine, ids = warmed_first_turns(2, threads)
 model = engine.model
-parts = {"the four linears": (0, 4, 5, 6), "row attention": (2,), "element-wise (one thread)": (1, 3, 11)}
+parts = {"the four linears": (0, 4, 5, 6), "row attention": (2,), "element-wise (one thread)": (11,)}
 print(f"{engine.kernel}, {threads} thread(s), the first {blocks} blocks; us per block (means of 200 passes)")
 print("| context | part | one row | per extra row (1 to 8 rows) |")
 print("|--:|---|--:|--:|")
 with torch.no_grad():
     for ctx in contexts:
-        cache = KVCache(model.cfg, ctx + 64, dtype=torch.bfloat16)
-        toks = torch.tensor([(ids[0] * (ctx // len(ids[0]) + 1))[:ctx]])
-        model.run_layers(model.embed_tokens(toks), cache, 0)
+        cache, toks = filled_context(model, ids[0], ctx)
         per_t = {}
         for T in (1, 2, 4, 8):
             x = model.embed_tokens(toks[:, :T])

@@ -4,7 +4,10 @@ ids, and one warm-up answer per method (which also measures the tree's costs), s
     from warmed import GEN, warmed_first_turns   # in a script run as python experiments/NAME.py
 """
 
+import torch
+
 from m2r2.bench.datasets import load_dataset
+from m2r2.cache import KVCache
 from m2r2.decoding.base import GenerationConfig
 from m2r2.engine import Engine
 
@@ -21,3 +24,13 @@ def warmed_first_turns(n_prompts: int, threads: int, first: int = 0) -> tuple[En
     for method in ("vanilla", "m2r2"):
         engine.generate_ids(ids[0], method, GEN)
     return engine, ids
+
+
+def filled_context(model, prompt: list[int], ctx: int) -> tuple[KVCache, torch.Tensor]:
+    """A bfloat16 cache with room for 64 more rows, prefilled with ``prompt`` repeated to ``ctx`` tokens, and
+    those tokens ``[1, ctx]``: the real context the experiments that time one pass run their rows after."""
+    cache = KVCache(model.cfg, ctx + 64, dtype=torch.bfloat16)
+    toks = torch.tensor([(prompt * (ctx // len(prompt) + 1))[:ctx]])
+    with torch.no_grad():
+        model.run_layers(model.embed_tokens(toks), cache, 0)
+    return cache, toks
