@@ -8,14 +8,14 @@ layer, a weight-only int8 one, or the 4-bit one that runs the bundled GGUF's own
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from m2r2 import amx
+from m2r2 import amx, hugepages
 from m2r2.model import ROW_INVARIANT_MAX_ROWS, MoE
 
 if TYPE_CHECKING:
@@ -631,7 +631,22 @@ def use_kernels(model: Transformer, kernel: str = "auto", source: Mapping[str, T
                 mlp.w2 = swap(mlp.w2, f"layers.{i}.mlp.w2")
     if head_wrap is not None:
         model.lm_head = head_wrap(model.lm_head)
+    if kernel in NATIVE_KERNELS:  # every packed weight in one buffer on huge pages, in the order a pass reads them
+        layers = [m for b in model.layers for m in (b.attn.wqkv, b.attn.wo, *_mlp_linears(b))]
+        place_on_huge_pages([*layers, model.lm_head])
     return kernel
+
+
+def place_on_huge_pages(modules: Iterable[nn.Module]) -> bool:
+    """The packed weights of those ``modules`` that run a C++ kernel, in the order given (the order a pass reads
+    them), copied into one buffer on huge pages (:func:`m2r2.hugepages.gather`); whether huge pages were advised."""
+    return hugepages.gather(m for m in modules if isinstance(m, _AmxLinear))
+
+
+def _mlp_linears(block: nn.Module) -> list[nn.Module]:
+    """A block's dense MLP linears (an MoE block's shared expert's; none for plain experts)."""
+    mlp = block.mlp.shared if isinstance(block.mlp, MoE) else block.mlp
+    return [] if mlp is None else [mlp.w13, mlp.w2]
 
 
 def _row_invariant(lin: nn.Linear) -> nn.Linear:

@@ -86,6 +86,11 @@ void linear_rows(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* qp,
   std::vector<float> step(M * G), qsum(M * G);
   quantize_rows(x, M, K, xq.data(), step.data(), qsum.data());
   const bool vnni = m2r2_avx2::vnni_in_use();
+  // The VNNI build's 8-bit loop multiplies unsigned inputs by signed weights: it takes x + 128 (the top bit
+  // flipped) and subtracts 128 sum w per group, the same integers without a sign transfer per row and product
+  // (q4_rows.h).
+  if (BITS == 8 && vnni)
+    for (auto& b : xq) b = static_cast<int8_t>(static_cast<uint8_t>(b) ^ 0x80u);
   at::parallel_for(0, (blocks + 1) / 2, 8, [&](int64_t p0, int64_t p1) {  // whole pairs of blocks (q4_rows.h)
     const int64_t b0 = 2 * p0, b1 = std::min(2 * p1, blocks);
     if (vnni)

@@ -88,21 +88,33 @@ inline void block_rows(const uint8_t* qb, const at::Half* sb, const int8_t* xq, 
       }
       for (int r = 0; r < R; ++r) sums[r] = M2R2_VNNI ? s16[r] : _mm256_madd_epi16(s16[r], ones);
     } else {
-      // signed x signed: |w| times x with w's sign (two products of 127 * 127 fit a 16-bit lane)
       for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_si256();
+#if M2R2_VNNI
+      // unsigned inputs x + 128 times signed w into 32-bit lanes (no saturation), less 128 sum w: the inputs
+      // come offset (linear_rows, q4_avx2.cpp), which saves the sign transfer per row and product
+      const __m256i one8 = _mm256_set1_epi8(1);
+      __m256i wsum = _mm256_setzero_si256();
+#pragma GCC unroll 1
+      for (int j = 0; j < 8; ++j) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + 32 * j));
+        wsum = _mm256_dpbusd_epi32(wsum, one8, w);
+        for (int r = 0; r < R; ++r) sums[r] = _mm256_dpbusd_epi32(sums[r], broadcast4(xq + r * K + g * 32 + 4 * j), w);
+      }
+      const __m256i offset = _mm256_slli_epi32(wsum, 7);
+      for (int r = 0; r < R; ++r) sums[r] = _mm256_sub_epi32(sums[r], offset);
+#else
+      // signed x signed: |w| times x with w's sign (two products of 127 * 127 fit a 16-bit lane; VPMADDUBSW
+      // would saturate on 255 * 127 pairs, so the AVX2 build cannot take the offset inputs)
 #pragma GCC unroll 1
       for (int j = 0; j < 8; ++j) {
         const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + 32 * j));
         const __m256i aw = _mm256_abs_epi8(w);
         for (int r = 0; r < R; ++r) {
           const __m256i sx = _mm256_sign_epi8(broadcast4(xq + r * K + g * 32 + 4 * j), w);
-#if M2R2_VNNI
-          sums[r] = _mm256_dpbusd_epi32(sums[r], aw, sx);
-#else
           sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones));
-#endif
         }
       }
+#endif
     }
     const at::Half* s = sb + g * gs;
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
@@ -164,18 +176,18 @@ inline void pair_rows(const uint8_t* qb, const at::Half* sb, const int8_t* xq, c
         }
       }
     } else {
-      // |w| times x with w's sign, as block_rows: x negated where w < 0 (where w = 0, |w| = 0 zeroes the product
-      // VPSIGNB would have zeroed), so every lane adds the same integers
+      // the inputs come as x + 128 (unsigned bytes, see below): sum (x + 128) w - 128 sum w = sum x w exactly,
+      // with sum w over the group's 32 inputs taken once for all rows
+      const __m512i ones = _mm512_set1_epi8(1);
+      __m512i wsum = _mm512_setzero_si512();
 #pragma GCC unroll 1
       for (int j = 0; j < 8; ++j) {
         const __m512i w = both(qg, 32 * j);
-        const __m512i aw = _mm512_abs_epi8(w);
-        const __mmask64 neg = _mm512_movepi8_mask(w);
-        for (int r = 0; r < R; ++r) {
-          const __m512i x = inputs(xq + r * K + g * 32 + 4 * j);
-          sums[r] = _mm512_dpbusd_epi32(sums[r], aw, _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x));
-        }
+        wsum = _mm512_dpbusd_epi32(wsum, ones, w);
+        for (int r = 0; r < R; ++r) sums[r] = _mm512_dpbusd_epi32(sums[r], inputs(xq + r * K + g * 32 + 4 * j), w);
       }
+      const __m512i offset = _mm512_slli_epi32(wsum, 7);
+      for (int r = 0; r < R; ++r) sums[r] = _mm512_sub_epi32(sums[r], offset);
     }
     const at::Half* s = sb + g * 2 * terms * NB;  // the first block's terms, then the second's
     const auto halves = [&](int64_t a, int64_t b) {  // 8 float16 terms at s + a, then 8 at s + b

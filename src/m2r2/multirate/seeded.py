@@ -32,7 +32,7 @@ import m2r2.model
 from m2r2 import amx
 from m2r2.cache import KVCache
 from m2r2.errors import SettingsError
-from m2r2.kernels import dense_weight, linear_like, widen_logits
+from m2r2.kernels import dense_weight, linear_like, place_on_huge_pages, widen_logits
 from m2r2.model import AVX2_OPS, Block, Transformer, attend
 from m2r2.multirate.adapters import LayerAdapters
 from m2r2.multirate.arla import ARLA
@@ -424,6 +424,10 @@ class SeededFastStream(DraftHead, nn.Module):
         level = None
         ext = amx.avx2_extension()
         parts = (self.fuse_infer, self.sub_head)
+        if self.merged is not None and self.cfg.depth == 1:  # a level's weights on huge pages, in its reading order
+            b = self.merged[0]
+            order = (self.fuse_infer, b.attn.wqkv, b.attn.wo, getattr(b.mlp, "w13", None), getattr(b.mlp, "w2", None))
+            place_on_huge_pages([*order, self.sub_head])
         if (
             ext is not None
             and hasattr(ext, "draft_level")
