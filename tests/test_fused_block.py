@@ -21,16 +21,17 @@ needs_avx2 = pytest.mark.skipif(
 
 
 def passes(model, fused: bool, store: torch.dtype | None, monkeypatch) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Final states of decode-style passes of 1..6 rows and a token tree after a 40-token prefill, and the
-    cache's keys after them, with the fused block on or off."""
-    monkeypatch.setattr(model_mod, "FUSED_BLOCKS", fused)
+    """Final states of decode-style passes of 1..6 rows and a token tree after a 40-token prefill (the same for
+    both: the per-op path's), and the cache's keys after them, with the fused block on or off."""
     g = torch.Generator().manual_seed(0)
     vocab, ctx = model.cfg.vocab_size, 40
     with torch.inference_mode():
         cache = model.new_cache(ctx + 16)
         if store is not None:  # the server's pooled caches keep float32
             cache.k, cache.v = cache.k.to(store), cache.v.to(store)
+        monkeypatch.setattr(model_mod, "FUSED_BLOCKS", False)
         model(torch.randint(0, vocab, (1, ctx), generator=g), cache, 0, last_only=True)
+        monkeypatch.setattr(model_mod, "FUSED_BLOCKS", fused)
         out = []
         for t in range(1, 7):
             cache.length = ctx
@@ -206,3 +207,42 @@ def test_trees_drafted_in_fused_levels_stay_plain_greedy(tiny_model, lookup: int
     finally:
         ext.draft_level = original
     assert calls
+
+
+@needs_avx2
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_prefill_on_the_fused_blocks_gives_each_row_the_bits_of_short_passes(
+    tiny_model, monkeypatch, threads
+) -> None:
+    """A prompt of more than 32 rows runs on the fused blocks (its element-wise steps and attention on every
+    thread; in pieces of ``PREFILL_MAX_ROWS``): every row's state, every kept layer's output and the cache get the
+    bits of the per-op path run over pieces of at most 32 rows (where it attends row by row, as the fused blocks do),
+    since a row's numbers never depend on the rows beside it."""
+    d = tiny_model(hidden_size=64, intermediate_size=128, vocab_size=320, layers=3)
+    model = load_model(d, torch.bfloat16, kernel="q4-avx2").model
+    prompt = torch.randint(0, 320, (1, 70), generator=torch.Generator().manual_seed(3))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    results, calls, original = [], [], amx.avx2_extension().stack_forward
+    monkeypatch.setattr(amx.avx2_extension(), "stack_forward", lambda *a: (calls.append(1), original(*a))[1])
+    try:
+        for fused, piece in ((True, 70), (True, 40), (False, 30)):
+            monkeypatch.setattr(model_mod, "FUSED_BLOCKS", fused)
+            monkeypatch.setattr(model_mod, "PREFILL_MAX_ROWS", piece if fused else 512)
+            calls.clear()
+            with torch.inference_mode():
+                cache, hidden, outs = model.new_cache(80), [], []
+                step = 70 if fused else piece  # the fused blocks take the whole prompt; the per-op path short passes
+                for s0 in range(0, 70, step):
+                    layers: list[torch.Tensor] = []
+                    outs.append(model.run_layers(model.embed_tokens(prompt[:, s0 : s0 + step]), cache, s0, layers))
+                    hidden.append(layers)
+            assert len(calls) == (-(-70 // piece) if fused else 0)
+            assert cache.length == 70
+            per_layer = [torch.cat(parts, dim=1) for parts in zip(*hidden, strict=True)]
+            results.append((torch.cat(outs, dim=1), per_layer, cache.k.clone(), cache.v.clone()))
+    finally:
+        torch.set_num_threads(before)
+    for out, layers, k, v in results[1:]:
+        assert torch.equal(out, results[0][0]) and torch.equal(k, results[0][2]) and torch.equal(v, results[0][3])
+        assert len(layers) == 3 and all(torch.equal(a, b) for a, b in zip(layers, results[0][1], strict=True))

@@ -470,14 +470,24 @@ class MoE(nn.Module):
 FUSED_BLOCKS = os.environ.get("M2R2_NO_FUSED") != "1"
 
 
-def fused_pass_fits(x: Tensor, cache: KVCache, pos: int, mask: Tensor | GappedMask) -> bool:
+#: the most rows a prefill runs on the fused C++ blocks at once (longer prompts go through them in pieces): each piece
+#: streams every weight once, and its element-wise steps and attention run its rows on every thread. A row's numbers
+#: never depend on the rows beside it, so a prefill's rows get the bits of passes of a few rows (tested); against the
+#: per-op path (torch's attention, one thread between the linears) prefills took 0.82-0.94 of the time at 40-600
+#: tokens (experiments/prefill_paths.py, 2 threads, Zen 4)
+PREFILL_MAX_ROWS = 512
+
+
+def fused_pass_fits(
+    x: Tensor, cache: KVCache, pos: int, mask: Tensor | GappedMask, max_rows: int = ROW_INVARIANT_MAX_ROWS
+) -> bool:
     """Whether a pass can run on the fused C++ blocks (given their weights): one inference sequence of up to
-    :data:`ROW_INVARIANT_MAX_ROWS` bfloat16 rows under a plain 2-D mask, within the cache's capacity."""
+    ``max_rows`` bfloat16 rows under a plain 2-D mask, within the cache's capacity."""
     t = x.shape[1]
     return (
         FUSED_BLOCKS
         and x.shape[0] == 1
-        and t <= ROW_INVARIANT_MAX_ROWS
+        and t <= max_rows
         and isinstance(mask, Tensor)
         and mask.dim() == 2
         and cache.k.shape[1] == 1
@@ -706,6 +716,17 @@ class Transformer(nn.Module):
         (``[T, pos + T]``, True = attend) over the cache slots.
         """
         t = x.shape[1]
+        prefill = mask is None and positions is None and t > ROW_INVARIANT_MAX_ROWS
+        if prefill and t > PREFILL_MAX_ROWS:  # a long prompt piece by piece (each on the fused blocks where they run)
+            outs, layers = [], [] if hidden is not None else None
+            for s0 in range(0, t, PREFILL_MAX_ROWS):
+                piece: list[Tensor] | None = [] if hidden is not None else None
+                outs.append(self.run_layers(x[:, s0 : s0 + PREFILL_MAX_ROWS], cache, pos + s0, piece, stop))
+                if layers is not None:
+                    layers.append(piece)
+            if hidden is not None and layers:
+                hidden.extend(torch.cat(parts, dim=1) for parts in zip(*layers, strict=True))
+            return torch.cat(outs, dim=1)
         kv_len = cache.max_len
         if positions is None:
             cos, sin = self.rope(pos, t, x.dtype)
@@ -730,7 +751,8 @@ class Transformer(nn.Module):
         ):
             layer_mask = GappedMask.over(mask)  # analysed once per pass, used by every layer
         n = len(self.layers) if stop is None else min(stop, len(self.layers))
-        stack = self._stack_for(x, cache, pos, layer_mask) if n > 0 else None
+        rows = PREFILL_MAX_ROWS if prefill else ROW_INVARIANT_MAX_ROWS
+        stack = self._stack_for(x, cache, pos, layer_mask, rows) if n > 0 else None
         if stack is not None:  # every block in one C++ call: the per-block path's bits without its Python
             ext = amx.avx2_extension()
             outs = ext.stack_forward(  # type: ignore[union-attr]
@@ -757,9 +779,11 @@ class Transformer(nn.Module):
             cache.length = pos + t
         return x
 
-    def _stack_for(self, x: Tensor, cache: KVCache, pos: int, mask: Tensor | GappedMask) -> object | None:
+    def _stack_for(
+        self, x: Tensor, cache: KVCache, pos: int, mask: Tensor | GappedMask, max_rows: int = ROW_INVARIANT_MAX_ROWS
+    ) -> object | None:
         """The fused stack where a pass can run it (what :meth:`Block.forward` asks of the fused block)."""
-        return self.fused_stack() if fused_pass_fits(x, cache, pos, mask) else None
+        return self.fused_stack() if fused_pass_fits(x, cache, pos, mask, max_rows) else None
 
     def step_rows(self, tokens: list[int], caches: list[KVCache]) -> Tensor:
         """Last hidden states ``[B, 1, d]`` (before :meth:`head`) of one new token per sequence, each

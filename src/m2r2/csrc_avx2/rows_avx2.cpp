@@ -323,19 +323,22 @@ void attention_rows(const float* q, const void* k, const void* v, bool bf16, con
 // roundings torch's `F.silu(gate) * up` makes), with this file's exp: lanes independent, so a row's
 // bits depend on that row alone.
 void silu_mul_rows(const at::BFloat16* gu, int64_t rows, int64_t m, uint16_t* out) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const at::BFloat16* g = gu + r * 2 * m;
-    const at::BFloat16* u = g + m;
-    uint16_t* o = out + r * m;
-    for (int64_t j = 0; j < m; j += 8) {
-      const int64_t n = std::min<int64_t>(8, m - j);
-      const __m256 x = load8(g + j, n);
-      const __m256 sig = _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
-      uint16_t t[8];
-      store8_bf16(t, _mm256_mul_ps(round_bf16(sig), load8(u + j, n)));
-      std::memcpy(o + j, t, n * sizeof(uint16_t));
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {  // a prefill's rows on every thread
+    for (int64_t r = r0; r < r1; ++r) {
+      const at::BFloat16* g = gu + r * 2 * m;
+      const at::BFloat16* u = g + m;
+      uint16_t* o = out + r * m;
+      for (int64_t j = 0; j < m; j += 8) {
+        const int64_t n = std::min<int64_t>(8, m - j);
+        const __m256 x = load8(g + j, n);
+        const __m256 sig =
+            _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+        uint16_t t[8];
+        store8_bf16(t, _mm256_mul_ps(round_bf16(sig), load8(u + j, n)));
+        std::memcpy(o + j, t, n * sizeof(uint16_t));
+      }
     }
-  }
+  });
 }
 }  // namespace m2r2_avx2
 
