@@ -1,10 +1,10 @@
 """The packed weights of a model's C++ kernels gathered into one buffer on 2 MB pages.
 
 Why: a one-token step streams every 4- and 8-bit weight from memory once (~90 MB on SmolLM2-135M: far more than
-the L3 cache), split over ~120 linear layers of 0.2-0.9 MB, each its own allocation on 4 KB pages. On a 2-vCPU Zen 4
-the same 66 MB of 4-bit layers, called one after another from cold, took 3.8 ms on their own 4 KB pages and 3.1 ms
-gathered into one buffer on 2 MB pages (one buffer on 4 KB pages: 3.9 ms); BENCHMARKS.md, "Twenty-eighth round".
-A TLB entry then covers 2 MB instead of 4 KB, so the stream's page walks all but vanish. Linux gives an anonymous
+the L3 cache), split over ~120 linear layers of 0.2-0.9 MB, each its own allocation on 4 KB pages. A TLB entry on a
+2 MB page covers 512 of those, so the stream's page walks all but vanish: on a 2-vCPU Zen 4 a one-token step's layers
+took 2.50 ms instead of 2.89 and its 8-bit head 0.67 instead of 0.74, with the same bits (experiments/huge_pages_ab.py,
+BENCHMARKS.md, "Twenty-eighth round"). Linux gives an anonymous
 buffer huge pages where ``madvise(MADV_HUGEPAGE)`` asks for them (transparent huge pages in ``always`` or
 ``madvise`` mode, the common defaults); elsewhere the buffer is one allocation on ordinary pages, and the bits are
 the same either way (the bytes are copied, not changed).
