@@ -11,19 +11,18 @@ one-row layers 2.85 -> 2.52 ms with it, 2.93 -> 2.52 without.)
 
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 from m2r2 import amx
-from m2r2.kernels import _AmxLinear, head_argmax
+from m2r2.kernels import _AmxLinear
 
 threads = int(sys.argv[1]) if len(sys.argv) > 1 else 2
 ctx = int(sys.argv[2]) if len(sys.argv) > 2 else 250
 repeats = int(sys.argv[3]) if len(sys.argv) > 3 else 200
 
-from warmed import filled_context, warmed_first_turns  # noqa: E402
+from warmed import filled_context, pass_inputs, timed_pass, warmed_first_turns  # noqa: E402
 
 engine, ids = warmed_first_turns(1, threads)
 model = engine.model
@@ -52,21 +51,15 @@ rows = (1, 2, 4, 8)
 times = {(name, t, part): [] for name in placed for t in rows for part in ("layers", "head")}
 with torch.no_grad():
     for t in rows:
-        x = model.embed_tokens(toks[:, :t])[0].contiguous()
-        mask = model.causal_mask(ctx, t, cache.max_len).contiguous()
-        cos, sin = (r.contiguous() for r in model.rope(ctx, t, x.dtype))
+        inputs = pass_inputs(model, cache, toks, ctx, t)
         for i in range(repeats):
             outs = {}
             for name in placed if i % 2 else reversed(list(placed)):
                 use(name)
-                t0 = time.perf_counter()
-                h = ext.stack_forward(stacks[name], x, cache.k, cache.v, ctx, mask, cos, sin, len(model.layers), False)
-                t1 = time.perf_counter()
-                out = head_argmax(model, h[-1][None])
-                t2 = time.perf_counter()
-                times[(name, t, "layers")].append(t1 - t0)
-                times[(name, t, "head")].append(t2 - t1)
-                outs[name] = (h[-1], out)
+                h, out, layers_s, head_s = timed_pass(model, ext, stacks[name], cache, ctx, inputs)
+                times[(name, t, "layers")].append(layers_s)
+                times[(name, t, "head")].append(head_s)
+                outs[name] = (h, out)
             (a, b), (c, d) = outs.values()
             assert torch.equal(a, c) and torch.equal(b, d)
 

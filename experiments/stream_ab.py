@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 
 from m2r2 import amx
-from m2r2.kernels import head_argmax
 
 src = Path(sys.argv[1])
 threads = int(sys.argv[2]) if len(sys.argv) > 2 else 2
@@ -31,7 +30,7 @@ builds = {
 }
 assert all(builds.values()), "a build failed"
 
-from warmed import filled_context, warmed_first_turns  # noqa: E402
+from warmed import filled_context, pass_inputs, timed_pass, warmed_first_turns  # noqa: E402
 
 engine, ids = warmed_first_turns(1, threads)
 model = engine.model
@@ -48,22 +47,16 @@ for name, ext in builds.items():  # each build's fused blocks and stack over the
 times = {(name, t, part): [] for name in builds for t in (1, 2, 4) for part in ("layers", "head")}
 with torch.no_grad():
     for t in (1, 2, 4):
-        x = model.embed_tokens(toks[:, :t])[0].contiguous()
-        mask = model.causal_mask(ctx, t, cache.max_len).contiguous()
-        cos, sin = (r.contiguous() for r in model.rope(ctx, t, x.dtype))
+        inputs = pass_inputs(model, cache, toks, ctx, t)
         for i in range(repeats):
             outs = {}
             for name in builds if i % 2 else reversed(builds):
                 ext = builds[name]
                 amx.avx2_extension = lambda ext=ext: ext
-                t0 = time.perf_counter()
-                h = ext.stack_forward(stacks[name], x, cache.k, cache.v, ctx, mask, cos, sin, len(model.layers), False)
-                t1 = time.perf_counter()
-                out = head_argmax(model, h[-1][None])
-                t2 = time.perf_counter()
-                times[(name, t, "layers")].append(t1 - t0)
-                times[(name, t, "head")].append(t2 - t1)
-                outs[name] = (h[-1], out)
+                h, out, layers_s, head_s = timed_pass(model, ext, stacks[name], cache, ctx, inputs)
+                times[(name, t, "layers")].append(layers_s)
+                times[(name, t, "head")].append(head_s)
+                outs[name] = (h, out)
             assert torch.equal(outs["new"][0], outs["old"][0]) and torch.equal(outs["new"][1], outs["old"][1])
 
 print(f"{engine.kernel}, {threads} thread(s), context {ctx}, medians of {repeats} alternating passes (ms)")

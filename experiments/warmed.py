@@ -4,12 +4,15 @@ ids, and one warm-up answer per method (which also measures the tree's costs), s
     from warmed import GEN, warmed_first_turns   # in a script run as python experiments/NAME.py
 """
 
+import time
+
 import torch
 
 from m2r2.bench.datasets import load_dataset
 from m2r2.cache import KVCache
 from m2r2.decoding.base import GenerationConfig
 from m2r2.engine import Engine
+from m2r2.kernels import head_argmax
 
 #: the answers these experiments time: greedy, up to 128 new tokens
 GEN = GenerationConfig(max_new_tokens=128)
@@ -34,3 +37,24 @@ def filled_context(model, prompt: list[int], ctx: int) -> tuple[KVCache, torch.T
     with torch.no_grad():
         model.run_layers(model.embed_tokens(toks), cache, 0)
     return cache, toks
+
+
+def pass_inputs(model, cache: KVCache, toks: torch.Tensor, ctx: int, t: int) -> tuple[torch.Tensor, ...]:
+    """What ``stack_forward`` takes for a pass over the first ``t`` of ``toks`` after ``ctx`` cached tokens: the rows'
+    embeddings, the causal mask over the cache's capacity, and the RoPE tables."""
+    x = model.embed_tokens(toks[:, :t])[0].contiguous()
+    mask = model.causal_mask(ctx, t, cache.max_len).contiguous()
+    cos, sin = (r.contiguous() for r in model.rope(ctx, t, x.dtype))
+    return x, mask, cos, sin
+
+
+def timed_pass(model, ext, stack, cache: KVCache, ctx: int, inputs: tuple[torch.Tensor, ...]) -> tuple:
+    """A verify pass's two parts on a fused stack of ``ext``'s build: every block over the rows (writing the same cache
+    slots every time), then the certified head argmax. Returns the last rows, their argmax ids, and the seconds of
+    each part."""
+    x, mask, cos, sin = inputs
+    t0 = time.perf_counter()
+    h = ext.stack_forward(stack, x, cache.k, cache.v, ctx, mask, cos, sin, len(model.layers), False)[-1]
+    t1 = time.perf_counter()
+    ids = head_argmax(model, h[None])
+    return h, ids, t1 - t0, time.perf_counter() - t1
