@@ -47,7 +47,8 @@ def test_gather_keeps_every_output_and_lays_the_weights_out_in_order() -> None:
     assert len({_storage(t) for t in tensors}) == 1
     starts = [t.data_ptr() for t in tensors]
     assert starts == sorted(starts) and all(p % hugepages.ALIGN == 0 for p in starts)
-    assert starts[0] % hugepages.HUGE_PAGE == 0
+    if advised:  # the buffer starts on a huge page
+        assert starts[0] % hugepages.HUGE_PAGE == 0
 
 
 def _thp_mode() -> str:

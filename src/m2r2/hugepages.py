@@ -12,42 +12,32 @@ the same either way (the bytes are copied, not changed).
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import sys
+import mmap
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
 HUGE_PAGE = 2 << 20
-MADV_HUGEPAGE = 14  # linux/mman.h
 ALIGN = 64  # each tensor starts on a cache line
 
 
-def _libc() -> ctypes.CDLL | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    except OSError:
-        return None
-
-
-def advise_huge_pages(address: int, length: int) -> bool:
-    """Ask Linux to back ``[address, address + length)`` (2 MB aligned) with huge pages; whether it accepted."""
-    libc = _libc()
-    if libc is None or length <= 0:
-        return False
-    return libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), MADV_HUGEPAGE) == 0
-
-
 def _aligned_bytes(nbytes: int) -> tuple[torch.Tensor, int, bool]:
-    """An untouched byte buffer with ``nbytes`` from a 2 MB boundary on, that offset, and whether huge pages were
-    advised for them (before anything touches them: the first touches then fault in 2 MB pages)."""
-    buffer = torch.empty(nbytes + 2 * HUGE_PAGE, dtype=torch.uint8)
+    """A byte buffer with ``nbytes`` from a 2 MB boundary on, that offset, and whether huge pages were advised for
+    them. The buffer is its own anonymous mapping, so no page of it has been touched yet (memory from the heap may
+    have been, and a page already faulted in stays 4 KB): the copies then fault in 2 MB pages. The tensor keeps
+    the mapping alive."""
+    if not hasattr(mmap, "MAP_ANONYMOUS"):  # Windows: one allocation on ordinary pages
+        return torch.empty(nbytes, dtype=torch.uint8), 0, False
+    # private: a shared anonymous mapping is shmem, whose huge pages follow another switch (shmem_enabled)
+    area = mmap.mmap(-1, nbytes + 2 * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buffer = torch.frombuffer(area, dtype=torch.uint8)
     start = -buffer.data_ptr() % HUGE_PAGE
-    return buffer, start, advise_huge_pages(buffer.data_ptr() + start, -(-nbytes // HUGE_PAGE) * HUGE_PAGE)
+    try:
+        area.madvise(mmap.MADV_HUGEPAGE, start, -(-nbytes // HUGE_PAGE) * HUGE_PAGE)
+    except (AttributeError, OSError):  # not Linux, or transparent huge pages off
+        return buffer, start, False
+    return buffer, start, True
 
 
 def gather(modules: Iterable[nn.Module], names: tuple[str, ...] = ("qbytes", "scales")) -> bool:
