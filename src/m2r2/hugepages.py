@@ -4,10 +4,9 @@ Why: a one-token step streams every 4- and 8-bit weight from memory once (~90 MB
 the L3 cache), split over ~120 linear layers of 0.2-0.9 MB, each its own allocation on 4 KB pages. A TLB entry on a
 2 MB page covers 512 of those, so the stream's page walks all but vanish: on a 2-vCPU Zen 4 a one-token step's layers
 took 2.50 ms instead of 2.89 and its 8-bit head 0.67 instead of 0.74, with the same bits (experiments/huge_pages_ab.py,
-BENCHMARKS.md, "Twenty-eighth round"). Linux gives an anonymous
-buffer huge pages where ``madvise(MADV_HUGEPAGE)`` asks for them (transparent huge pages in ``always`` or
-``madvise`` mode, the common defaults); elsewhere the buffer is one allocation on ordinary pages, and the bits are
-the same either way (the bytes are copied, not changed).
+BENCHMARKS.md, "Twenty-eighth round"). Linux gives an anonymous buffer huge pages where ``madvise(MADV_HUGEPAGE)``
+asks for them (transparent huge pages in ``always`` or ``madvise`` mode, the common defaults); elsewhere the buffer
+is one allocation on ordinary pages, and the bits are the same either way (the bytes are copied, not changed).
 """
 
 from __future__ import annotations

@@ -623,17 +623,17 @@ def use_kernels(model: Transformer, kernel: str = "auto", source: Mapping[str, T
         for i, block in enumerate(model.layers):
             block.attn.wqkv = swap(block.attn.wqkv, f"layers.{i}.attn.wqkv")
             block.attn.wo = swap(block.attn.wo, f"layers.{i}.attn.wo")
-            # MoE experts stay plain stacked tensors (an offloading runtime swaps them per expert);
-            # a shared expert is an ordinary MLP.
-            mlp = block.mlp.shared if isinstance(block.mlp, MoE) else block.mlp
-            if mlp is not None:
+            if (mlp := _dense_mlp(block)) is not None:
                 mlp.w13 = swap(mlp.w13, f"layers.{i}.mlp.w13")
                 mlp.w2 = swap(mlp.w2, f"layers.{i}.mlp.w2")
     if head_wrap is not None:
         model.lm_head = head_wrap(model.lm_head)
     if kernel in NATIVE_KERNELS:  # every packed weight in one buffer on huge pages, in the order a pass reads them
-        layers = [m for b in model.layers for m in (b.attn.wqkv, b.attn.wo, *_mlp_linears(b))]
-        place_on_huge_pages([*layers, model.lm_head])
+        order: list[nn.Module] = []
+        for b in model.layers:
+            mlp = _dense_mlp(b)
+            order += [b.attn.wqkv, b.attn.wo, *([] if mlp is None else [mlp.w13, mlp.w2])]
+        place_on_huge_pages([*order, model.lm_head])
     return kernel
 
 
@@ -643,10 +643,10 @@ def place_on_huge_pages(modules: Iterable[nn.Module]) -> bool:
     return hugepages.gather(m for m in modules if isinstance(m, _AmxLinear))
 
 
-def _mlp_linears(block: nn.Module) -> list[nn.Module]:
-    """A block's dense MLP linears (an MoE block's shared expert's; none for plain experts)."""
-    mlp = block.mlp.shared if isinstance(block.mlp, MoE) else block.mlp
-    return [] if mlp is None else [mlp.w13, mlp.w2]
+def _dense_mlp(block: nn.Module) -> nn.Module | None:
+    """A block's dense MLP: its own, or an MoE block's shared expert (None without one; plain experts stay stacked
+    tensors, which an offloading runtime swaps per expert)."""
+    return block.mlp.shared if isinstance(block.mlp, MoE) else block.mlp
 
 
 def _row_invariant(lin: nn.Linear) -> nn.Linear:

@@ -724,7 +724,7 @@ class Transformer(nn.Module):
                 outs.append(self.run_layers(x[:, s0 : s0 + PREFILL_MAX_ROWS], cache, pos + s0, piece, stop))
                 if layers is not None:
                     layers.append(piece)
-            if hidden is not None and layers:
+            if layers:
                 hidden.extend(torch.cat(parts, dim=1) for parts in zip(*layers, strict=True))
             return torch.cat(outs, dim=1)
         kv_len = cache.max_len

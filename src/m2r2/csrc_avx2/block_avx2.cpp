@@ -31,13 +31,6 @@ inline void add_bf16(const uint16_t* a, const uint16_t* b, uint16_t* out, int64_
   for (int64_t i = 0; i < n; i += 8) store8_bf16(out + i, _mm256_add_ps(load8(as_bf16(a + i), 8), load8(as_bf16(b + i), 8)));
 }
 
-// f(t0, t1) over rows [0, T): the element-wise steps of a prefill's rows on every thread (each row's numbers its own,
-// so the bits do not depend on the split); a pass of up to 16 rows runs on the calling thread as before.
-template <typename F>
-inline void rows_of(int64_t T, const F& f) {
-  at::parallel_for(0, T, 16, f);
-}
-
 struct Linear {
   torch::Tensor qbytes, scales, bias;  // bias: bfloat16 [N] or undefined
   int bits = 4;
@@ -126,52 +119,52 @@ void block_rows(const BlockWeights& w, const uint16_t* xp, int64_t T, torch::Ten
   char* kb = static_cast<char*>(k_cache.data_ptr());
   char* vb = static_cast<char*>(v_cache.data_ptr());
   const int64_t el = k_cache.element_size();
-  rows_of(T, [&](int64_t t0, int64_t t1) {
-  for (int64_t t = t0; t < t1; ++t) {
-    const uint16_t* yt = y.data() + t * nqkv;
-    const at::BFloat16 *ct = as_bf16(cp + t * D), *st = as_bf16(sp + t * D);
-    for (int64_t hh = 0; hh < H + KVH; ++hh) {
-      const at::BFloat16* src = as_bf16(yt + hh * D);
-      for (int64_t i = 0; i < D; i += 8) {  // roll(x, D/2)'s chunk starts at (i + D/2) % D (D % 16 == 0)
-        const __m256 a = round_bf16(_mm256_mul_ps(load8(src + i, 8), load8(ct + i, 8)));
-        const __m256 b = round_bf16(_mm256_mul_ps(load8(src + (i + D / 2) % D, 8), load8(st + i, 8)));
-        const __m256 r = _mm256_add_ps(a, b);
-        if (hh < H) {
-          _mm256_storeu_ps(qf.data() + (hh * T + t) * D + i, round_bf16(r));  // q as float32 [H, T, D]
-        } else {
-          char* dst = kb + ((hh - H) * ks[0] + (pos + t) * ks[1] + i) * el;
-          if (k16)
-            store8_bf16(reinterpret_cast<uint16_t*>(dst), r);
-          else
-            _mm256_storeu_ps(reinterpret_cast<float*>(dst), round_bf16(r));
+  parallel_rows(T, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint16_t* yt = y.data() + t * nqkv;
+      const at::BFloat16 *ct = as_bf16(cp + t * D), *st = as_bf16(sp + t * D);
+      for (int64_t hh = 0; hh < H + KVH; ++hh) {
+        const at::BFloat16* src = as_bf16(yt + hh * D);
+        for (int64_t i = 0; i < D; i += 8) {  // roll(x, D/2)'s chunk starts at (i + D/2) % D (D % 16 == 0)
+          const __m256 a = round_bf16(_mm256_mul_ps(load8(src + i, 8), load8(ct + i, 8)));
+          const __m256 b = round_bf16(_mm256_mul_ps(load8(src + (i + D / 2) % D, 8), load8(st + i, 8)));
+          const __m256 r = _mm256_add_ps(a, b);
+          if (hh < H) {
+            _mm256_storeu_ps(qf.data() + (hh * T + t) * D + i, round_bf16(r));  // q as float32 [H, T, D]
+          } else {
+            char* dst = kb + ((hh - H) * ks[0] + (pos + t) * ks[1] + i) * el;
+            if (k16)
+              store8_bf16(reinterpret_cast<uint16_t*>(dst), r);
+            else
+              _mm256_storeu_ps(reinterpret_cast<float*>(dst), round_bf16(r));
+          }
         }
       }
+      for (int64_t hh = 0; hh < KVH; ++hh) {  // v: the remaining heads, unrotated
+        const uint16_t* src = yt + nq + nkv + hh * D;
+        char* dst = vb + (hh * vs[0] + (pos + t) * vs[1]) * el;
+        if (k16)
+          std::memcpy(dst, src, D * 2);
+        else
+          for (int64_t i = 0; i < D; i += 8) _mm256_storeu_ps(reinterpret_cast<float*>(dst) + i, load8(as_bf16(src + i), 8));
+      }
     }
-    for (int64_t hh = 0; hh < KVH; ++hh) {  // v: the remaining heads, unrotated
-      const uint16_t* src = yt + nq + nkv + hh * D;
-      char* dst = vb + (hh * vs[0] + (pos + t) * vs[1]) * el;
-      if (k16)
-        std::memcpy(dst, src, D * 2);
-      else
-        for (int64_t i = 0; i < D; i += 8) _mm256_storeu_ps(reinterpret_cast<float*>(dst) + i, load8(as_bf16(src + i), 8));
-    }
-  }
   });
   const int64_t kv[6] = {k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                          v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)};
   attention_rows(qf.data(), k_cache.data_ptr(), v_cache.data_ptr(), k16, kv, mask, 0, of.data(), 1, H,
                  T, D, KVH, S, static_cast<float>(std::pow(static_cast<double>(D), -0.5)));
-  rows_of(T, [&](int64_t t0, int64_t t1) {  // [T, H * D]
+  parallel_rows(T, [&](int64_t t0, int64_t t1) {  // [T, H * D]
     for (int64_t i = t0 * nq; i < t1 * nq; i += 8) store8_bf16(o.data() + i, _mm256_loadu_ps(of.data() + i));
   });
 
   w.o.run(o.data(), T, a.data());
-  rows_of(T, [&](int64_t t0, int64_t t1) { add_bf16(xp + t0 * d, a.data() + t0 * d, a.data() + t0 * d, (t1 - t0) * d); });
+  parallel_rows(T, [&](int64_t t0, int64_t t1) { add_bf16(xp + t0 * d, a.data() + t0 * d, a.data() + t0 * d, (t1 - t0) * d); });
   rms_norm_rows(reinterpret_cast<const at::BFloat16*>(a.data()), w.mlp_norm.data_ptr<at::BFloat16>(), T, d, eps, h.data());
   w.w13.run(h.data(), T, gu.data());
   silu_mul_rows(reinterpret_cast<const at::BFloat16*>(gu.data()), T, inter, act.data());
   w.w2.run(act.data(), T, op);
-  rows_of(T, [&](int64_t t0, int64_t t1) { add_bf16(a.data() + t0 * d, op + t0 * d, op + t0 * d, (t1 - t0) * d); });
+  parallel_rows(T, [&](int64_t t0, int64_t t1) { add_bf16(a.data() + t0 * d, op + t0 * d, op + t0 * d, (t1 - t0) * d); });
 }
 
 void check_cache(const torch::Tensor& k_cache, const torch::Tensor& v_cache, int64_t KVH, int64_t D) {

@@ -2,6 +2,7 @@
 // block (block_avx2.cpp) call the same code, so a row gets the same bits either way.
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <torch/extension.h>
 
 #include <cstdlib>
@@ -12,6 +13,14 @@ namespace m2r2_avx2 {
 inline bool turned_off(const char* name) {
   const char* v = std::getenv(name);
   return v && v[0] == '1';
+}
+
+// f(r0, r1) over rows [0, rows) on every thread, 16 rows or more a thread: the row-wise steps (norms, int8 rounding,
+// RoPE, SwiGLU's product, adds) of a prefill's rows in parallel. Each row's numbers are its own, so the bits do not
+// depend on the split; a pass of up to 16 rows runs on the calling thread.
+template <typename F>
+inline void parallel_rows(int64_t rows, const F& f) {
+  at::parallel_for(0, rows, 16, f);
 }
 
 // y [M, blocks * 8] (bfloat16 bits) = x [M, K] times a packed 4-bit (bits 4) or 8-bit (bits 8) weight

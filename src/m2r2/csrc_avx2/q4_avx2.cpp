@@ -84,7 +84,7 @@ void linear_rows(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* qp,
   if (M == 0) return;
   std::vector<int8_t> xq(M * K);
   std::vector<float> step(M * G), qsum(M * G);
-  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {  // row by row: a prefill's rows on every thread
+  parallel_rows(M, [&](int64_t r0, int64_t r1) {
     quantize_rows(x + r0 * K, r1 - r0, K, xq.data() + r0 * K, step.data() + r0 * G, qsum.data() + r0 * G);
   });
   const bool vnni = m2r2_avx2::vnni_in_use();

@@ -52,7 +52,7 @@ namespace m2r2_avx2 {
 // RMSNorm of `rows` bfloat16 rows of D (csrc/rms_norm.cpp's order), raw pointers: shared by the op below
 // and the fused decoder block (block_avx2.cpp).
 void rms_norm_rows(const at::BFloat16* xp, const at::BFloat16* wp, int64_t rows, int64_t D, float e, uint16_t* op) {
-  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+  parallel_rows(rows, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const at::BFloat16* row = xp + r * D;
       __m256 acc = _mm256_setzero_ps();
@@ -323,7 +323,7 @@ void attention_rows(const float* q, const void* k, const void* v, bool bf16, con
 // roundings torch's `F.silu(gate) * up` makes), with this file's exp: lanes independent, so a row's
 // bits depend on that row alone.
 void silu_mul_rows(const at::BFloat16* gu, int64_t rows, int64_t m, uint16_t* out) {
-  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {  // a prefill's rows on every thread
+  parallel_rows(rows, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const at::BFloat16* g = gu + r * 2 * m;
       const at::BFloat16* u = g + m;
