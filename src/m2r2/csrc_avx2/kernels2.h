@@ -34,6 +34,20 @@ bool set_vnni(bool on);
 // blocks [b0, b1) of linear_rows' output from int8 inputs, on the VNNI build (bits 4 or 8)
 void block_range_vnni(int bits, const uint8_t* qbytes, const at::Half* scales, const int8_t* xq, const float* step,
                       const float* qsum, int64_t M, int64_t K, int64_t blocks, uint16_t* y, int64_t b0, int64_t b1);
+// Whether linear_rows sums passes of amx_min_rows() rows or more on AMX tiles (q4_amx_rows.cpp): the CPU has AMX-INT8,
+// Linux grants the tile state, and neither M2R2_NO_AMX_ROWS=1 nor set_amx_rows(false) turned it off. Same bits.
+bool amx_rows_in_use();
+// turn the AMX sums on (where the CPU has them) or off; returns whether they were in use
+bool set_amx_rows(bool on);
+// The fewest rows a pass sums on AMX tiles: 10 by default. Per group of 32 inputs a tile product costs about
+// what the VNNI loop spends on 8-10 rows (its tile loads, product and store are paid whatever the rows), so
+// verify passes of a few rows keep the VNNI loop and prefills take the tiles (experiments/amx_rows_ab.py).
+// set_amx_min_rows returns the previous value (an experiment sets 1 to time every pass size).
+int64_t amx_min_rows();
+int64_t set_amx_min_rows(int64_t rows);
+// blocks [b0, b1) (whole pairs: b0 and b1 even) of linear_rows' output on AMX tiles, from signed int8 inputs
+void block_range_amx(int bits, const uint8_t* qbytes, const at::Half* scales, const int8_t* xq, const float* step,
+                     const float* qsum, int64_t M, int64_t K, int64_t blocks, uint16_t* y, int64_t b0, int64_t b1);
 // RMSNorm of `rows` rows of D
 void rms_norm_rows(const at::BFloat16* x, const at::BFloat16* w, int64_t rows, int64_t D, float eps, uint16_t* out);
 // row attention: q [B, H, T, D] float32; k, v float32 or bfloat16 (`bf16`) with strides kv = {k's b, h, s; v's b,

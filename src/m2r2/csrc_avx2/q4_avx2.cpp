@@ -88,14 +88,19 @@ void linear_rows(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* qp,
     quantize_rows(x + r0 * K, r1 - r0, K, xq.data() + r0 * K, step.data() + r0 * G, qsum.data() + r0 * G);
   });
   const bool vnni = m2r2_avx2::vnni_in_use();
+  // AMX tiles for passes of amx_min_rows() rows or more, whole pairs of blocks only (every layer of the bundled
+  // models); the same integers and bits as the loops below (q4_amx_rows.cpp)
+  const bool amx = M >= m2r2_avx2::amx_min_rows() && blocks % 2 == 0 && m2r2_avx2::amx_rows_in_use();
   // The VNNI build's 8-bit loop multiplies unsigned inputs by signed weights: it takes x + 128 (the top bit
   // flipped) and subtracts 128 sum w per group, the same integers without a sign transfer per row and product
   // (q4_rows.h).
-  if (BITS == 8 && vnni)
+  if (BITS == 8 && vnni && !amx)
     for (auto& b : xq) b = static_cast<int8_t>(static_cast<uint8_t>(b) ^ 0x80u);
   at::parallel_for(0, (blocks + 1) / 2, 8, [&](int64_t p0, int64_t p1) {  // whole pairs of blocks (q4_rows.h)
     const int64_t b0 = 2 * p0, b1 = std::min(2 * p1, blocks);
-    if (vnni)
+    if (amx)
+      m2r2_avx2::block_range_amx(BITS, qp, sp, xq.data(), step.data(), qsum.data(), M, K, blocks, yp, b0, b1);
+    else if (vnni)
       m2r2_avx2::block_range_vnni(BITS, qp, sp, xq.data(), step.data(), qsum.data(), M, K, blocks, yp, b0, b1);
     else
       block_range<BITS>(qp, sp, xq.data(), step.data(), qsum.data(), M, K, blocks, yp, b0, b1);
@@ -164,6 +169,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_block(m);
   m.def("vnni_in_use", &m2r2_avx2::vnni_in_use, "whether the 4/8-bit linears run on AVX512-VNNI (same bits)");
   m.def("set_vnni", &m2r2_avx2::set_vnni, "turn the AVX512-VNNI loop on (where the CPU has it) or off");
+  m.def("amx_rows_in_use", &m2r2_avx2::amx_rows_in_use,
+        "whether the 4/8-bit linears sum passes of several rows on AMX tiles (same bits)");
+  m.def("set_amx_rows", &m2r2_avx2::set_amx_rows, "turn the AMX sums on (where the CPU has AMX-INT8) or off");
+  m.def("set_amx_min_rows", &m2r2_avx2::set_amx_min_rows,
+        "the fewest rows a pass sums on AMX tiles (default 10); returns the previous value");
   m.def("avx512_attention_in_use", &m2r2_avx2::avx512_attention_in_use,
         "whether the row attention runs its AVX-512 build (same bits)");
   m.def("set_avx512_attention", &m2r2_avx2::set_avx512_attention,
