@@ -68,8 +68,7 @@ inline void configure(int rows) {
 template <int BITS>
 inline void stage_group(const uint8_t* qg, int8_t* b) {
   constexpr int64_t gbytes = BITS == 4 ? 128 : 256;
-  for (int64_t line = 0; line < 2 * gbytes; line += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(qg + PREFETCH + line), _MM_HINT_T0);
+  for (int64_t line = 0; line < 2 * gbytes; line += 64) prefetch(qg + line);
   const auto both = [qg](int64_t o) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + o))),
                               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + gbytes + o)), 1);
