@@ -5,6 +5,8 @@ pass size; and the per-row helpers (row attention, RMSNorm, argmax) of each buil
 from __future__ import annotations
 
 import itertools
+import os
+import shutil
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ from m2r2 import amx
 from m2r2.errors import SettingsError
 from m2r2.kernels import AmxInt4Linear, AmxInt8Linear, Int4Linear, PackedLinear, argmax_rows
 from m2r2.loading import load_model
+from m2r2.machine import cpu_has
 from m2r2.model import RMSNorm
 
 needs_amx = pytest.mark.skipif(not amx.amx_available(), reason="no AMX CPU or no C++ compiler here")
@@ -163,6 +166,22 @@ def test_avx2_vnni_loop_gives_the_avx2_loop_s_bits(bits: int, outputs: int) -> N
                 assert torch.equal(on, layer(xb))
     finally:
         ext.set_vnni(True)
+
+
+def test_the_cpp_kernels_build_wherever_the_cpu_and_a_compiler_allow() -> None:
+    """Dozens of tests skip where a C++ build is missing, so a build broken on a machine that should build it would
+    pass the suite with them all skipped (65 skipped instead of 16 once, unnoticed). Where the CPU has a build's
+    flags and torch finds a C++ compiler (and ``M2R2_NO_AMX=1`` does not keep the kernels off), the build must load."""
+    if os.environ.get(amx.DISABLE_ENV) == "1":
+        pytest.skip("the C++ kernels are turned off (M2R2_NO_AMX=1)")
+    from torch.utils.cpp_extension import get_cxx_compiler
+
+    if shutil.which(get_cxx_compiler()) is None:
+        pytest.skip("no C++ compiler here")
+    if all(cpu_has(f) for f in amx.AVX2_CPU_FLAGS):
+        assert amx.avx2_extension() is not None, "the AVX2 build (csrc_avx2/) failed on a CPU that runs it"
+    if all(cpu_has(f) for f in amx.CPU_FLAGS):
+        assert amx.extension() is not None, "the AVX-512 build (csrc/) failed on a CPU that runs it"
 
 
 @needs_avx2
