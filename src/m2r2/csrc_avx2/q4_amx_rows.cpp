@@ -37,11 +37,21 @@
 #include "kernels2.h"
 #include "simd2.h"
 
+// The AMX intrinsics need GCC 11 or Clang 12; an older compiler builds the rest of the extension, without the tiles.
+#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
+#define M2R2_AMX_BUILD 1
+#else
+#define M2R2_AMX_BUILD 0
+#endif
+
+#if M2R2_AMX_BUILD
 #pragma GCC target("avx512f,avx512vl,avx512bw,avx512vnni,amx-tile,amx-int8")
 #define M2R2_VNNI 1
 #include "q4_rows.h"
+#endif
 
 namespace {
+#if M2R2_AMX_BUILD
 
 constexpr int MR = 16;        // rows per tile
 constexpr int64_t CHUNK = 16;  // groups of 32 inputs staged at a time (8 KB of weights, up to 16 KB of sums)
@@ -179,6 +189,10 @@ bool cpu_has_amx_int8() {
   return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
 }
 
+#else
+bool cpu_has_amx_int8() { return false; }
+#endif
+
 const bool amx_here = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
                       __builtin_cpu_supports("avx512vl") && cpu_has_amx_int8();
 std::atomic<bool> amx_on{amx_here && !m2r2_avx2::turned_off("M2R2_NO_AMX_ROWS")};
@@ -194,9 +208,14 @@ int64_t set_amx_min_rows(int64_t rows) { return min_rows.exchange(rows < 1 ? 1 :
 
 void block_range_amx(int bits, const uint8_t* qbytes, const at::Half* scales, const int8_t* xq, const float* step,
                      const float* qsum, int64_t M, int64_t K, int64_t blocks, uint16_t* y, int64_t b0, int64_t b1) {
+#if M2R2_AMX_BUILD
   if (bits == 4)
     pairs_amx<4>(qbytes, scales, xq, step, qsum, M, K, blocks, y, b0, b1);
   else
     pairs_amx<8>(qbytes, scales, xq, step, qsum, M, K, blocks, y, b0, b1);
+#else
+  (void)bits, (void)qbytes, (void)scales, (void)xq, (void)step, (void)qsum, (void)M, (void)K, (void)blocks, (void)y,
+      (void)b0, (void)b1;  // never called: amx_rows_in_use() is false without the tiles
+#endif
 }
 }  // namespace m2r2_avx2
