@@ -9,10 +9,9 @@ paths give the same bits (checked on every call). The end-to-end A/B is `m2r2 be
 """
 
 import argparse
-import statistics
-import time
 
 import torch
+from warmed import toggled
 
 from m2r2 import amx
 from m2r2.engine import Engine
@@ -29,21 +28,6 @@ assert engine.kernel == "q4-avx2" and ext.set_amx_rows(True), "needs the q4-avx2
 print(f"{cpu_name()}, {engine.kernel}")
 
 
-def both(run, repeats: int) -> tuple[float, float]:
-    """Median seconds of ``run()`` with the AMX sums on and off, alternating; the outputs must match."""
-    times: dict[bool, list[float]] = {True: [], False: []}
-    for _ in range(repeats):
-        outs = {}
-        for on in (True, False):
-            ext.set_amx_rows(on)
-            t = time.perf_counter()
-            outs[on] = run()
-            times[on].append(time.perf_counter() - t)
-        assert torch.equal(outs[True], outs[False]), "the two paths gave different bits"
-    ext.set_amx_rows(True)
-    return statistics.median(times[True]), statistics.median(times[False])
-
-
 g = torch.Generator().manual_seed(0)
 with torch.inference_mode():
     torch.set_num_threads(1)
@@ -56,7 +40,7 @@ with torch.inference_mode():
         assert isinstance(lin, AmxInt4Linear | AmxInt8Linear)
         for rows in (1, 2, 4, 8, 10, 12, 16, 32, 128):
             x = torch.randn(rows, 576, generator=g).to(torch.bfloat16)
-            on, off = both(lambda x=x, lin=lin: lin(x), args.repeats)
+            on, off = toggled(lambda x=x, lin=lin: lin(x), ext.set_amx_rows, args.repeats)
             print(f"| {name} | {rows} | {on * 1e6:.0f} | {off * 1e6:.0f} | {on / off:.3f} |")
     ext.set_amx_min_rows(previous)
     torch.set_num_threads(args.threads)
@@ -64,5 +48,5 @@ with torch.inference_mode():
     print("| tokens | AMX ms | VNNI ms | AMX / VNNI |\n|--:|--:|--:|--:|")
     for n in (40, 128, 400):
         x = model.embed_tokens(torch.randint(0, 40000, (1, n), generator=g))
-        on, off = both(lambda x=x: model.run_layers(x, model.new_cache(1024), 0), 9)
+        on, off = toggled(lambda x=x: model.run_layers(x, model.new_cache(1024), 0), ext.set_amx_rows, 9)
         print(f"| {n} | {on * 1e3:.1f} | {off * 1e3:.1f} | {on / off:.3f} |")

@@ -7,10 +7,10 @@ Both loops give the same bits (checked on every pass and every answer).
 """
 
 import argparse
-import statistics
 import time
 
 import torch
+from warmed import toggled
 
 from m2r2 import amx
 from m2r2.bench.datasets import load_dataset
@@ -29,20 +29,6 @@ assert engine.kernel == "q4-avx2" and ext.set_vnni(True), "needs the q4-avx2 ker
 print(f"{cpu_name()}, {args.threads} thread(s), {engine.kernel}")
 
 
-def both(run) -> tuple[float, float]:
-    """Median seconds of ``run()`` with VNNI on and off, alternating; the outputs must match."""
-    times: dict[bool, list[float]] = {True: [], False: []}
-    for _ in range(args.repeats):
-        outs = {}
-        for on in (True, False):
-            ext.set_vnni(on)
-            t = time.perf_counter()
-            outs[on] = run()
-            times[on].append(time.perf_counter() - t)
-        assert torch.equal(outs[True], outs[False]), "the two loops gave different bits"
-    return statistics.median(times[True]), statistics.median(times[False])
-
-
 print(f"\nmedians of {args.repeats}, interleaved")
 print("| pass | rows | VNNI ms | AVX2 ms | VNNI / AVX2 |\n|---|--:|--:|--:|--:|")
 g = torch.Generator().manual_seed(0)
@@ -56,9 +42,9 @@ with torch.inference_mode():
             cache.length = 300
             return model.run_layers(x, cache, 300)
 
-        on, off = both(layers)
+        on, off = toggled(layers, ext.set_vnni, args.repeats)
         h = x[0].contiguous()
-        hon, hoff = both(lambda h=h: model.lm_head(h))
+        hon, hoff = toggled(lambda h=h: model.lm_head(h), ext.set_vnni, args.repeats)
         print(f"| 30 layers | {rows} | {on * 1e3:.2f} | {off * 1e3:.2f} | {on / off:.3f} |")
         print(f"| head | {rows} | {hon * 1e3:.2f} | {hoff * 1e3:.2f} | {hon / hoff:.3f} |")
 

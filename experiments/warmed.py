@@ -4,7 +4,9 @@ ids, and one warm-up answer per method (which also measures the tree's costs), s
     from warmed import GEN, warmed_first_turns   # in a script run as python experiments/NAME.py
 """
 
+import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -58,3 +60,20 @@ def timed_pass(model, ext, stack, cache: KVCache, ctx: int, inputs: tuple[torch.
     t1 = time.perf_counter()
     ids = head_argmax(model, h[None])
     return h, ids, t1 - t0, time.perf_counter() - t1
+
+
+def toggled(run: Callable[[], torch.Tensor], switch: Callable[[bool], object], repeats: int) -> tuple[float, float]:
+    """Median seconds of ``run()`` with a kernel build's switch on and off (``switch(True)`` / ``switch(False)``,
+    e.g. ``set_vnni``), alternating call by call so that the machine's drift favours neither; both must give the
+    same bits. Leaves the switch on."""
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(repeats):
+        outs = {}
+        for on in (True, False):
+            switch(on)
+            t = time.perf_counter()
+            outs[on] = run()
+            times[on].append(time.perf_counter() - t)
+        assert torch.equal(outs[True], outs[False]), "the two paths gave different bits"
+    switch(True)
+    return statistics.median(times[True]), statistics.median(times[False])

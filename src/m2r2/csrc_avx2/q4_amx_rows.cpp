@@ -104,24 +104,6 @@ inline void pair_rows_amx(const uint8_t* qb, const at::Half* sb, const int8_t* x
   alignas(64) int32_t cs[CHUNK][R * 16];
   __m512 out[R];
   for (int r = 0; r < R; ++r) out[r] = _mm512_setzero_ps();
-  // the float terms of group g from its sums c (pair_rows' operations, lane by lane, in its order)
-  const auto terms_of = [&](int64_t g, const int32_t* c) {
-    const at::Half* s = sb + g * 2 * terms * NB;
-    const auto halves = [&](int64_t a, int64_t b) {
-      const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + a)));
-      const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + b)));
-      return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
-    };
-    const __m512 d = halves(0, terms * NB);
-    for (int r = 0; r < R; ++r) {
-      const __m512 scaled = _mm512_mul_ps(d, _mm512_set1_ps(step[r * G + g]));
-      out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * r)), scaled, out[r]);
-    }
-    if constexpr (BITS == 4) {
-      const __m512 mn = halves(NB, 3 * NB);
-      for (int r = 0; r < R; ++r) out[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(qsum[r * G + g]), out[r]);
-    }
-  };
   // CHUNK groups at a time in three phases: their weights into B form, then every tile product (a run of
   // independent tile operations, two groups in flight), then the float terms in group order. Phase by phase,
   // no step waits on the one just before it (stores into tile loads, tile stores into vector loads).
@@ -148,7 +130,11 @@ inline void pair_rows_amx(const uint8_t* qb, const at::Half* sb, const int8_t* x
       _tile_dpbssd(2, 0, 1);
       _tile_stored(2, cs[i], 64);
     }
-    for (i = 0; i < n; ++i) terms_of(g0 + i, cs[i]);
+    for (i = 0; i < n; ++i) {  // pair_rows' float terms (q4_rows.h), the sums from the stored tile
+      const int32_t* c = cs[i];
+      pair_terms<BITS, R>(out, [c](int r) { return _mm512_load_si512(c + 16 * r); }, sb + (g0 + i) * 2 * terms * NB,
+                          step, qsum, G, g0 + i);
+    }
   }
   for (int r = 0; r < R; ++r) store16_bf16(y + r * N, out[r]);
 }

@@ -150,6 +150,30 @@ inline void store16_bf16(uint16_t* y, __m512 v) {
   store8_bf16(y + NB, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
 }
 
+// Group g's float terms for R rows of a pair of blocks (16 columns; the first block's 8 steps, then, 4-bit, its 8
+// minima at s, the second block's after them): out[r] += sum(r) * (d * step) and, 4-bit, + m * qsum, lane by lane
+// as block_rows does for 8 columns. One helper for pair_rows and the AMX tiles' loop (q4_amx_rows.cpp), whose
+// integer sums come from registers or from a stored tile: the same float operations in the same order.
+template <int BITS, int R, typename Sum>
+inline void pair_terms(__m512 (&out)[R], const Sum& sum, const at::Half* s, const float* step, const float* qsum,
+                       int64_t G, int64_t g) {
+  constexpr int64_t terms = BITS == 4 ? 2 : 1;
+  const auto halves = [s](int64_t a, int64_t b) {  // 8 float16 terms at s + a, then 8 at s + b
+    const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + a)));
+    const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + b)));
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
+  };
+  const __m512 d = halves(0, terms * NB);
+  for (int r = 0; r < R; ++r) {
+    const __m512 scaled = _mm512_mul_ps(d, _mm512_set1_ps(step[r * G + g]));
+    out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum(r)), scaled, out[r]);
+  }
+  if constexpr (BITS == 4) {
+    const __m512 mn = halves(NB, 3 * NB);
+    for (int r = 0; r < R; ++r) out[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(qsum[r * G + g]), out[r]);
+  }
+}
+
 // A pair of blocks (16 columns; groups interleaved, see the top) for R rows in 512-bit registers: lanes 0-7
 // are block_rows' lanes of the first block, lanes 8-15 of the second, with the same integers and the same
 // float operations in the same order.
@@ -201,21 +225,7 @@ inline void pair_rows(const uint8_t* qb, const at::Half* sb, const int8_t* xq, c
       const __m512i offset = _mm512_slli_epi32(wsum, 7);
       for (int r = 0; r < R; ++r) sums[r] = _mm512_sub_epi32(sums[r], offset);
     }
-    const at::Half* s = sb + g * 2 * terms * NB;  // the first block's terms, then the second's
-    const auto halves = [&](int64_t a, int64_t b) {  // 8 float16 terms at s + a, then 8 at s + b
-      const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + a)));
-      const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + b)));
-      return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
-    };
-    const __m512 d = halves(0, terms * NB);
-    for (int r = 0; r < R; ++r) {
-      const __m512 scaled = _mm512_mul_ps(d, _mm512_set1_ps(step[r * G + g]));
-      out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r]), scaled, out[r]);
-    }
-    if constexpr (BITS == 4) {
-      const __m512 mn = halves(NB, 3 * NB);
-      for (int r = 0; r < R; ++r) out[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(qsum[r * G + g]), out[r]);
-    }
+    pair_terms<BITS, R>(out, [&sums](int r) { return sums[r]; }, sb + g * 2 * terms * NB, step, qsum, G, g);
   }
   for (int r = 0; r < R; ++r) store16_bf16(y + r * N, out[r]);
 }
