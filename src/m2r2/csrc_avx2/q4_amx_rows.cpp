@@ -192,16 +192,16 @@ bool set_amx_rows(bool on) { return amx_on.exchange(on && amx_here); }
 int64_t amx_min_rows() { return min_rows.load(std::memory_order_relaxed); }
 int64_t set_amx_min_rows(int64_t rows) { return min_rows.exchange(rows < 1 ? 1 : rows); }
 
+#if M2R2_AMX_BUILD
 void block_range_amx(int bits, const uint8_t* qbytes, const at::Half* scales, const int8_t* xq, const float* step,
                      const float* qsum, int64_t M, int64_t K, int64_t blocks, uint16_t* y, int64_t b0, int64_t b1) {
-#if M2R2_AMX_BUILD
   if (bits == 4)
     pairs_amx<4>(qbytes, scales, xq, step, qsum, M, K, blocks, y, b0, b1);
   else
     pairs_amx<8>(qbytes, scales, xq, step, qsum, M, K, blocks, y, b0, b1);
-#else
-  (void)bits, (void)qbytes, (void)scales, (void)xq, (void)step, (void)qsum, (void)M, (void)K, (void)blocks, (void)y,
-      (void)b0, (void)b1;  // never called: amx_rows_in_use() is false without the tiles
-#endif
 }
+#else  // never called: amx_rows_in_use() is false without the tiles
+void block_range_amx(int, const uint8_t*, const at::Half*, const int8_t*, const float*, const float*, int64_t, int64_t,
+                     int64_t, uint16_t*, int64_t, int64_t) {}
+#endif
 }  // namespace m2r2_avx2
