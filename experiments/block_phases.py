@@ -44,11 +44,17 @@ edits = [
     ),
     ("  w.qkv.run(h.data(), T, y.data());\n", "  PH(11) w.qkv.run(h.data(), T, y.data());\n  PH(0)\n"),
     ("  const int64_t kv[6] = {k_cache.stride(0)", "  PH(11)\n  const int64_t kv[6] = {k_cache.stride(0)"),
-    ("  for (int64_t i = 0; i < T * nq; i += 8)", "  PH(2) for (int64_t i = 0; i < T * nq; i += 8)"),
+    (
+        "  parallel_rows(T, [&](int64_t t0, int64_t t1) {  // [T, H * D]",
+        "  PH(2) parallel_rows(T, [&](int64_t t0, int64_t t1) {",
+    ),
     ("  w.o.run(o.data(), T, a.data());\n", "  PH(11) w.o.run(o.data(), T, a.data());\n  PH(4)\n"),
     ("  w.w13.run(h.data(), T, gu.data());\n", "  PH(11) w.w13.run(h.data(), T, gu.data());\n  PH(5)\n"),
     ("  w.w2.run(act.data(), T, op);\n", "  PH(11) w.w2.run(act.data(), T, op);\n  PH(6)\n"),
-    ("  add_bf16(a.data(), op, op, T * d);\n}", "  add_bf16(a.data(), op, op, T * d);\n  PH(11)\n}"),
+    (
+        "(t1 - t0) * d); });\n}\n\nvoid check_cache",
+        "(t1 - t0) * d); });\n  PH(11)\n}\n\nvoid check_cache",
+    ),
     (
         "void bind_block(pybind11::module& m) {",
         "std::vector<double> phases() {\n  std::vector<double> v(phase_ns, phase_ns + 12);\n"
