@@ -1,10 +1,11 @@
-"""Copies of ``csrc_avx2/`` with one change each to how a pass's weights are asked for or converted, written to
-OUT/<variant>/ for ``experiments/stream_ab.py OUT/<variant>`` (which times them against this build in one process,
-alternating, and checks that every pass gives the same bits; its "old" column is the variant). None changes a
-number, only when memory is asked for it. The question behind them (thirtieth round): a verify row's layers cost
-~0.6 ms more than one row in a pass (30 blocks, 2 threads), about what its multiply-adds cost with the weights in
-cache, as if none of that work overlapped the weights' stream, although one large linear layer from memory costs
-the same at 1 and 4 rows (``experiments/call_size_overlap.py``).
+"""Copies of ``csrc_avx2/`` with one change each to how a pass streams its weights or splits its work between the
+threads, written to OUT/<variant>/ for ``experiments/stream_ab.py OUT/<variant>`` (which times them against this
+build in one process, alternating, and checks that every pass gives the same bits; its "old" column is the
+variant). None changes a number, only when memory is asked for it or which thread does what. The question behind
+them (thirtieth round): a verify row's layers cost ~0.6 ms more than one row in a pass (30 blocks, 2 threads), about
+what its multiply-adds cost with the weights in cache, as if none of that work overlapped the weights' stream,
+although one large linear layer from memory costs nearly the same at 1 and 4 rows
+(``experiments/call_size_overlap.py``).
 
 - ``burst``: each thread asks for the first 32 KB of its range (4 KB into L1, the rest into L2) before its loop,
   which otherwise asks 4 KB / 32 KB ahead of each line only once it runs;
@@ -14,9 +15,13 @@ the same at 1 and 4 rows (``experiments/call_size_overlap.py``).
   the row attention, the one phase of a block that reads no weights;
 - ``cvt``: the loop's int32 -> float32 conversion (port 0 on Intel, as VPDPBUSD) replaced by the exact
   add-and-subtract of 1.5 * 2^23 (any port); the sums stay below 2^22, so the floats are the same;
-- ``t0_1k`` / ``t0_none``: the L1 request 1 KB ahead instead of 4 KB / none (the L2 request stays).
+- ``t0_1k`` / ``t0_none``: the L1 request 1 KB ahead instead of 4 KB / none (the L2 request stays);
+- ``quantize``: a pass of up to 16 rows has every thread quantize the rows' inputs itself inside the linear layer's
+  parallel region, instead of the calling thread alone before it (no serial step before the threads start);
+- ``grain``: the row-wise steps (norms, RoPE, SwiGLU's product, adds, quantizing) split over the threads from 2
+  rows up instead of from 17.
 
-    python experiments/prefetch_variants.py OUT && python experiments/stream_ab.py OUT/next 2 250 200
+    python experiments/pass_variants.py OUT && python experiments/stream_ab.py OUT/next 2 250 200
 """
 
 import shutil
@@ -169,6 +174,45 @@ VARIANTS = {
             "    out[r] = _mm512_fmadd_ps(f, scaled, out[r]);",
         )
     ],
+    "quantize": [
+        (
+            "q4_avx2.cpp",
+            "  std::vector<int8_t> xq(M * K);\n  std::vector<float> step(M * G), qsum(M * G);\n"
+            "  parallel_rows(M, [&](int64_t r0, int64_t r1) {\n",
+            "  const bool few = M <= 16;\n  std::vector<int8_t> xq(few ? 0 : M * K);\n"
+            "  std::vector<float> step(few ? 0 : M * G), qsum(few ? 0 : M * G);\n"
+            "  if (!few) parallel_rows(M, [&](int64_t r0, int64_t r1) {\n",
+        ),
+        (
+            "q4_avx2.cpp",
+            "    const int64_t b0 = 2 * p0, b1 = std::min(2 * p1, blocks);\n    if (amx)\n",
+            "    const int64_t b0 = 2 * p0, b1 = std::min(2 * p1, blocks);\n"
+            "    thread_local std::vector<int8_t> own_xq;\n    thread_local std::vector<float> own_step, own_qsum;\n"
+            "    if (few) {\n      own_xq.resize(M * K);\n      own_step.resize(M * G);\n"
+            "      own_qsum.resize(M * G);\n"
+            "      quantize_rows(x, M, K, own_xq.data(), own_step.data(), own_qsum.data());\n"
+            "      if (BITS == 8 && vnni && !amx)\n"
+            "        for (auto& b : own_xq) b = static_cast<int8_t>(static_cast<uint8_t>(b) ^ 0x80u);\n"
+            "    }\n"
+            "    const int8_t* xq_ = few ? own_xq.data() : xq.data();\n"
+            "    const float* step_ = few ? own_step.data() : step.data();\n"
+            "    const float* qsum_ = few ? own_qsum.data() : qsum.data();\n    if (amx)\n",
+        ),
+        *[
+            (
+                "q4_avx2.cpp",
+                f"{call}(BITS, qp, sp, xq.data(), step.data(), qsum.data(),",
+                f"{call}(BITS, qp, sp, xq_, step_, qsum_,",
+            )
+            for call in ("m2r2_avx2::block_range_amx", "m2r2_avx2::block_range_vnni")
+        ],
+        (
+            "q4_avx2.cpp",
+            "      block_range<BITS>(qp, sp, xq.data(), step.data(), qsum.data(),",
+            "      block_range<BITS>(qp, sp, xq_, step_, qsum_,",
+        ),
+    ],
+    "grain": [("kernels2.h", "  at::parallel_for(0, rows, 16, f);", "  at::parallel_for(0, rows, 1, f);")],
     "t0_1k": [("q4_rows.h", "#define M2R2_PREFETCH 4096", "#define M2R2_PREFETCH 1024")],
     "t0_none": [("q4_rows.h", "  _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH), _MM_HINT_T0);\n", "")],
 }
