@@ -45,8 +45,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         "--kernel",
         default="auto",
         choices=["auto", "plain", "mkldnn", "int8", "q4", "q4-amx", "q4-avx512", "q4-avx2"],
-        help="linear-layer kernels: auto = q4-amx for bf16 on an AMX CPU, else q4-avx2 on an AVX2 CPU (AVX-512 "
-        "ones too), else q4-avx512, else q4, when the layers fit, else mkldnn, else plain; q4 = 4-bit groups "
+        help="linear-layer kernels: auto = q4-avx2 for bf16 on an AVX2 CPU where its C++ build runs (AVX-512 and "
+        "AMX CPUs too), else q4-amx on an AMX CPU, else q4-avx512, else q4, when the layers fit, else mkldnn, "
+        "else plain; q4 = 4-bit groups "
         "of 32 (exactly the bundled GGUF's Q4_1 weights, ~1.7x faster than mkldnn); q4-amx = the same weights "
         "summed on AMX (built once with the C++ compiler, ~40 s; a one-token step ~0.86 of q4's, a verify pass "
         "of 8 rows ~1.25 of it instead of ~2); q4-avx512 = the same C++ kernel with AVX512-BF16 dot products "

@@ -30,11 +30,12 @@ shared, runs differ by ~10%):
     q4 (ms)       26     33     44     94     152
     mkldnn (ms)   50     59     66    101     105
 
-``auto`` loads q4-amx where it builds (the 4-bit weights summed on AMX, flat in rows) and it is
-fastest at every batch size. Where it does not (no AMX or no compiler) the 4-bit ``q4`` kernel wins
-alone and oneDNN's bf16 GEMM from ~16 rows, so from ``--max-batch`` :data:`MKLDNN_FROM_BATCH` on an
-AMX CPU without q4-amx ``auto`` loads ``mkldnn`` (throughput at high load over latency at low
-load). An explicit ``--kernel`` is kept.
+Then ``auto`` loaded q4-amx where it built (the 4-bit weights summed on AMX, flat in rows), the fastest at every
+batch size; it now loads what :func:`m2r2.kernels.use_kernels` picks (``q4-avx2`` wherever its C++ build runs, AMX
+CPUs included: there its batched steps of 10 rows or more sum on AMX tiles). Where no C++ kernel builds (no
+compiler) the 4-bit ``q4`` kernel wins alone and oneDNN's bf16 GEMM from ~16 rows, so from ``--max-batch``
+:data:`MKLDNN_FROM_BATCH` on an AMX CPU without q4-amx ``auto`` loads ``mkldnn`` (throughput at high load over
+latency at low load). An explicit ``--kernel`` is kept.
 
 The thread owns all torch work; the HTTP side only submits, cancels, and reads :class:`Update`s
 delivered through each job's ``emit`` callback.
@@ -77,8 +78,8 @@ MKLDNN_FROM_BATCH = 16
 def serve_kernel(kernel: str, max_batch: int, dtype: str, device: str | None) -> str:
     """The ``--kernel`` to load for a server of ``max_batch`` concurrent requests: the user's choice,
     or for ``auto`` ``mkldnn`` where large batches are cheaper with it (bf16 on an AMX CPU where the
-    q4-amx kernel does not run, at least :data:`MKLDNN_FROM_BATCH` requests), else ``auto`` (q4-amx
-    or q4 where the model fits them)."""
+    q4-amx kernel does not run, at least :data:`MKLDNN_FROM_BATCH` requests), else ``auto`` (what
+    :func:`m2r2.kernels.use_kernels` picks)."""
     if kernel != "auto" or max_batch < MKLDNN_FROM_BATCH or dtype != "bf16" or (device or default_device()) != "cpu":
         return kernel
     amx_gemm = torch.backends.mkldnn.is_available() and cpu_has("amx_bf16")
