@@ -3,7 +3,9 @@ timer around each phase (norm, q/k/v, RoPE and the K/V write, attention, the out
 gate|up, SwiGLU's product, down, the last add) is built as its own extension and put in the engine's place; the
 bundled model's first BLOCKS blocks then run over T = 1, 2, 4, 8 rows after a CTX-token context (MT-Bench's first
 prompt repeated), the mask showing the whole context, 200 passes each. Prints microseconds per block at one row and
-per extra row (from 1 to 8 rows) for the four linears, the attention and the element-wise rest.
+per extra row (from 1 to 8 rows) for the four linears, the attention, and each element-wise step (the block's scratch
+buffers, the first RMSNorm, RoPE and the K/V write, the attention output's bfloat16 store, the residual add and the
+second RMSNorm, SwiGLU's product, the last add; all on the calling thread up to 16 rows), then their sum.
 
     python experiments/block_phases.py [THREADS] [BLOCKS] [CTX ...]
 """
@@ -23,7 +25,8 @@ blocks = int(sys.argv[2]) if len(sys.argv) > 2 else 10
 contexts = [int(a) for a in sys.argv[3:]] or [250, 500]
 
 # the timed copy: PH(i) adds the time since the previous mark to phase i (0 q/k/v, 2 attention, 4 output, 5 gate|up,
-# 6 down, 11 every element-wise step between them)
+# 6 down; the element-wise steps between them: 7 scratch buffers, 8 first norm, 9 RoPE + K/V write, 10 output store,
+# 1 residual add + second norm, 3 SwiGLU's product, 11 last add)
 src = Path(amx.__file__).with_name("csrc_avx2")
 tmp = Path(tempfile.mkdtemp())
 for f in src.iterdir():
@@ -39,18 +42,22 @@ edits = [
         "namespace {\n\nusing namespace m2r2_avx2;\n\ninline const at::BFloat16* as_bf16",
     ),
     (
-        "  std::vector<uint16_t> h(T * d)",
-        "  double t_ = now_ns(), t2_;\n  ++phase_calls;\n  std::vector<uint16_t> h(T * d)",
+        "  // The calling thread's scratch rows",
+        "  double t_ = now_ns(), t2_;\n  ++phase_calls;\n  // The calling thread's scratch rows",
     ),
-    ("  w.qkv.run(h.data(), T, y.data());\n", "  PH(11) w.qkv.run(h.data(), T, y.data());\n  PH(0)\n"),
-    ("  const int64_t kv[6] = {k_cache.stride(0)", "  PH(11)\n  const int64_t kv[6] = {k_cache.stride(0)"),
+    (
+        "  qf.fit(H * T * D), of.fit(T * H * D);\n",
+        "  qf.fit(H * T * D), of.fit(T * H * D);\n  PH(7)\n",
+    ),
+    ("  w.qkv.run(h.data(), T, y.data());\n", "  PH(8) w.qkv.run(h.data(), T, y.data());\n  PH(0)\n"),
+    ("  const int64_t kv[6] = {k_cache.stride(0)", "  PH(9)\n  const int64_t kv[6] = {k_cache.stride(0)"),
     (
         "  parallel_rows(T, [&](int64_t t0, int64_t t1) {  // [T, H * D]",
         "  PH(2) parallel_rows(T, [&](int64_t t0, int64_t t1) {",
     ),
-    ("  w.o.run(o.data(), T, a.data());\n", "  PH(11) w.o.run(o.data(), T, a.data());\n  PH(4)\n"),
-    ("  w.w13.run(h.data(), T, gu.data());\n", "  PH(11) w.w13.run(h.data(), T, gu.data());\n  PH(5)\n"),
-    ("  w.w2.run(act.data(), T, op);\n", "  PH(11) w.w2.run(act.data(), T, op);\n  PH(6)\n"),
+    ("  w.o.run(o.data(), T, a.data());\n", "  PH(10) w.o.run(o.data(), T, a.data());\n  PH(4)\n"),
+    ("  w.w13.run(h.data(), T, gu.data());\n", "  PH(1) w.w13.run(h.data(), T, gu.data());\n  PH(5)\n"),
+    ("  w.w2.run(act.data(), T, op);\n", "  PH(3) w.w2.run(act.data(), T, op);\n  PH(6)\n"),
     (
         "(t1 - t0) * d); });\n}\n\nvoid check_cache",
         "(t1 - t0) * d); });\n  PH(11)\n}\n\nvoid check_cache",
@@ -76,7 +83,18 @@ from warmed import filled_context, warmed_first_turns  # noqa: E402
 
 engine, ids = warmed_first_turns(2, threads)
 model = engine.model
-parts = {"the four linears": (0, 4, 5, 6), "row attention": (2,), "element-wise (one thread)": (11,)}
+parts = {
+    "the four linears": (0, 4, 5, 6),
+    "row attention": (2,),
+    "scratch buffers": (7,),
+    "first RMSNorm": (8,),
+    "RoPE, K/V write": (9,),
+    "attention output store": (10,),
+    "residual add, second RMSNorm": (1,),
+    "SwiGLU's product": (3,),
+    "last add": (11,),
+    "element-wise, all (one thread)": (7, 8, 9, 10, 1, 3, 11),
+}
 print(f"{engine.kernel}, {threads} thread(s), the first {blocks} blocks; us per block (means of 200 passes)")
 print("| context | part | one row | per extra row (1 to 8 rows) |")
 print("|--:|---|--:|--:|")

@@ -6,6 +6,7 @@
 #include <torch/extension.h>
 
 #include <cstdlib>
+#include <memory>
 
 namespace m2r2_avx2 {
 
@@ -14,6 +15,21 @@ inline bool turned_off(const char* name) {
   const char* v = std::getenv(name);
   return v && v[0] == '1';
 }
+
+// A growable buffer for a kernel's intermediate rows, kept by a thread from call to call (thread_local) and not zeroed
+// when reused: for steps that write their rows whole before reading them, the same bits without an allocation and a
+// zero fill per call. A parallel step's lambda must reach it through a reference or pointer bound on the calling
+// thread: there the name of a thread_local denotes the running thread's own.
+template <typename T>
+struct Scratch {
+  std::unique_ptr<T[]> buf;
+  int64_t cap = 0;
+  // room for n elements (their values unspecified)
+  void fit(int64_t n) {
+    if (n > cap) buf.reset(new T[n]), cap = n;
+  }
+  T* data() { return buf.get(); }
+};
 
 // f(r0, r1) over rows [0, rows) on every thread, 16 rows or more a thread: the row-wise steps (norms, int8 rounding,
 // RoPE, SwiGLU's product, adds) of a prefill's rows in parallel. Each row's numbers are its own, so the bits do not

@@ -82,8 +82,12 @@ void linear_rows(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* qp,
                  uint16_t* yp) {
   const int64_t G = K / 32;
   if (M == 0) return;
-  std::vector<int8_t> xq(M * K);
-  std::vector<float> step(M * G), qsum(M * G);
+  // the rows' int8 inputs and per-group terms, written whole here (the calling thread's scratch, see Scratch)
+  thread_local Scratch<int8_t> xq_rows;
+  thread_local Scratch<float> step_rows, qsum_rows;
+  Scratch<int8_t>& xq = xq_rows;
+  Scratch<float> &step = step_rows, &qsum = qsum_rows;
+  xq.fit(M * K), step.fit(M * G), qsum.fit(M * G);
   parallel_rows(M, [&](int64_t r0, int64_t r1) {
     quantize_rows(x + r0 * K, r1 - r0, K, xq.data() + r0 * K, step.data() + r0 * G, qsum.data() + r0 * G);
   });
@@ -95,7 +99,7 @@ void linear_rows(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* qp,
   // flipped) and subtracts 128 sum w per group, the same integers without a sign transfer per row and product
   // (q4_rows.h).
   if (BITS == 8 && vnni && !amx)
-    for (auto& b : xq) b = static_cast<int8_t>(static_cast<uint8_t>(b) ^ 0x80u);
+    for (int64_t i = 0; i < M * K; ++i) xq.data()[i] = static_cast<int8_t>(static_cast<uint8_t>(xq.data()[i]) ^ 0x80u);
   at::parallel_for(0, (blocks + 1) / 2, 8, [&](int64_t p0, int64_t p1) {  // whole pairs of blocks (q4_rows.h)
     const int64_t b0 = 2 * p0, b1 = std::min(2 * p1, blocks);
     if (amx)
