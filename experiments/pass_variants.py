@@ -17,7 +17,8 @@ although one large linear layer from memory costs nearly the same at 1 and 4 row
   add-and-subtract of 1.5 * 2^23 (any port); the sums stay below 2^22, so the floats are the same;
 - ``t0_1k`` / ``t0_none``: the L1 request 1 KB ahead instead of 4 KB / none (the L2 request stays);
 - ``quantize``: a pass of up to 16 rows has every thread quantize the rows' inputs itself inside the linear layer's
-  parallel region, instead of the calling thread alone before it (no serial step before the threads start);
+  parallel region, instead of the calling thread alone before it (no serial step before the threads start; measured
+  on the code before the scratch rows, with per-thread vectors, the same steps);
 - ``grain``: the row-wise steps (norms, RoPE, SwiGLU's product, adds, quantizing) split over the threads from 2
   rows up instead of from 17.
 
@@ -177,40 +178,28 @@ VARIANTS = {
     "quantize": [
         (
             "q4_avx2.cpp",
-            "  std::vector<int8_t> xq(M * K);\n  std::vector<float> step(M * G), qsum(M * G);\n"
             "  parallel_rows(M, [&](int64_t r0, int64_t r1) {\n",
-            "  const bool few = M <= 16;\n  std::vector<int8_t> xq(few ? 0 : M * K);\n"
-            "  std::vector<float> step(few ? 0 : M * G), qsum(few ? 0 : M * G);\n"
-            "  if (!few) parallel_rows(M, [&](int64_t r0, int64_t r1) {\n",
+            "  const bool few = M <= 16;\n  if (!few) parallel_rows(M, [&](int64_t r0, int64_t r1) {\n",
         ),
+        ("q4_avx2.cpp", "  if (BITS == 8 && vnni && !amx)\n", "  if (BITS == 8 && vnni && !amx && !few)\n"),
         (
             "q4_avx2.cpp",
             "    const int64_t b0 = 2 * p0, b1 = std::min(2 * p1, blocks);\n    if (amx)\n",
             "    const int64_t b0 = 2 * p0, b1 = std::min(2 * p1, blocks);\n"
-            "    thread_local std::vector<int8_t> own_xq;\n    thread_local std::vector<float> own_step, own_qsum;\n"
-            "    if (few) {\n      own_xq.resize(M * K);\n      own_step.resize(M * G);\n"
-            "      own_qsum.resize(M * G);\n"
+            "    const int8_t* xq_ = xq;\n    const float *step_ = step, *qsum_ = qsum;\n"
+            "    thread_local Scratch<int8_t> own_xq;\n    thread_local Scratch<float> own_step, own_qsum;\n"
+            "    if (few) {\n      own_xq.fit(M * K), own_step.fit(M * G), own_qsum.fit(M * G);\n"
             "      quantize_rows(x, M, K, own_xq.data(), own_step.data(), own_qsum.data());\n"
             "      if (BITS == 8 && vnni && !amx)\n"
-            "        for (auto& b : own_xq) b = static_cast<int8_t>(static_cast<uint8_t>(b) ^ 0x80u);\n"
-            "    }\n"
-            "    const int8_t* xq_ = few ? own_xq.data() : xq.data();\n"
-            "    const float* step_ = few ? own_step.data() : step.data();\n"
-            "    const float* qsum_ = few ? own_qsum.data() : qsum.data();\n    if (amx)\n",
+            "        for (int64_t i = 0; i < M * K; ++i)\n"
+            "          own_xq.data()[i] = static_cast<int8_t>(static_cast<uint8_t>(own_xq.data()[i]) ^ 0x80u);\n"
+            "      xq_ = own_xq.data(), step_ = own_step.data(), qsum_ = own_qsum.data();\n"
+            "    }\n    if (amx)\n",
         ),
         *[
-            (
-                "q4_avx2.cpp",
-                f"{call}(BITS, qp, sp, xq.data(), step.data(), qsum.data(),",
-                f"{call}(BITS, qp, sp, xq_, step_, qsum_,",
-            )
-            for call in ("m2r2_avx2::block_range_amx", "m2r2_avx2::block_range_vnni")
+            ("q4_avx2.cpp", f"{call}qp, sp, xq, step, qsum,", f"{call}qp, sp, xq_, step_, qsum_,")
+            for call in ("block_range_amx(BITS, ", "block_range_vnni(BITS, ", "block_range<BITS>(")
         ],
-        (
-            "q4_avx2.cpp",
-            "      block_range<BITS>(qp, sp, xq.data(), step.data(), qsum.data(),",
-            "      block_range<BITS>(qp, sp, xq_, step_, qsum_,",
-        ),
     ],
     "grain": [("kernels2.h", "  at::parallel_for(0, rows, 16, f);", "  at::parallel_for(0, rows, 1, f);")],
     "t0_1k": [("q4_rows.h", "#define M2R2_PREFETCH 4096", "#define M2R2_PREFETCH 1024")],

@@ -85,11 +85,11 @@ void linear_rows(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* qp,
   // the rows' int8 inputs and per-group terms, written whole here (the calling thread's scratch, see Scratch)
   thread_local Scratch<int8_t> xq_rows;
   thread_local Scratch<float> step_rows, qsum_rows;
-  Scratch<int8_t>& xq = xq_rows;
-  Scratch<float> &step = step_rows, &qsum = qsum_rows;
-  xq.fit(M * K), step.fit(M * G), qsum.fit(M * G);
+  xq_rows.fit(M * K), step_rows.fit(M * G), qsum_rows.fit(M * G);
+  int8_t* xq = xq_rows.data();
+  float *step = step_rows.data(), *qsum = qsum_rows.data();
   parallel_rows(M, [&](int64_t r0, int64_t r1) {
-    quantize_rows(x + r0 * K, r1 - r0, K, xq.data() + r0 * K, step.data() + r0 * G, qsum.data() + r0 * G);
+    quantize_rows(x + r0 * K, r1 - r0, K, xq + r0 * K, step + r0 * G, qsum + r0 * G);
   });
   const bool vnni = m2r2_avx2::vnni_in_use();
   // AMX tiles for passes of amx_min_rows() rows or more, whole pairs of blocks only (every layer of the bundled
@@ -99,15 +99,15 @@ void linear_rows(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* qp,
   // flipped) and subtracts 128 sum w per group, the same integers without a sign transfer per row and product
   // (q4_rows.h).
   if (BITS == 8 && vnni && !amx)
-    for (int64_t i = 0; i < M * K; ++i) xq.data()[i] = static_cast<int8_t>(static_cast<uint8_t>(xq.data()[i]) ^ 0x80u);
+    for (int64_t i = 0; i < M * K; ++i) xq[i] = static_cast<int8_t>(static_cast<uint8_t>(xq[i]) ^ 0x80u);
   at::parallel_for(0, (blocks + 1) / 2, 8, [&](int64_t p0, int64_t p1) {  // whole pairs of blocks (q4_rows.h)
     const int64_t b0 = 2 * p0, b1 = std::min(2 * p1, blocks);
     if (amx)
-      m2r2_avx2::block_range_amx(BITS, qp, sp, xq.data(), step.data(), qsum.data(), M, K, blocks, yp, b0, b1);
+      m2r2_avx2::block_range_amx(BITS, qp, sp, xq, step, qsum, M, K, blocks, yp, b0, b1);
     else if (vnni)
-      m2r2_avx2::block_range_vnni(BITS, qp, sp, xq.data(), step.data(), qsum.data(), M, K, blocks, yp, b0, b1);
+      m2r2_avx2::block_range_vnni(BITS, qp, sp, xq, step, qsum, M, K, blocks, yp, b0, b1);
     else
-      block_range<BITS>(qp, sp, xq.data(), step.data(), qsum.data(), M, K, blocks, yp, b0, b1);
+      block_range<BITS>(qp, sp, xq, step, qsum, M, K, blocks, yp, b0, b1);
   });
 }
 
