@@ -47,7 +47,7 @@ def passes(model, fused: bool, store: torch.dtype | None, monkeypatch) -> tuple[
 @needs_avx2
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases
 @pytest.mark.parametrize("store", [None, torch.float32])
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads", [1, 2, 3])  # 3: uneven shares, some empty, query groups cut apart
 def test_fused_block_gives_the_per_op_bits(tiny_model, monkeypatch, arch: str, store, threads: int) -> None:
     d = tiny_model(arch=arch, hidden_size=64, intermediate_size=128, vocab_size=320, layers=3)
     model = load_model(d, torch.bfloat16, kernel="q4-avx2").model

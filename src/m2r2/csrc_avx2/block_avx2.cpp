@@ -11,13 +11,17 @@
 // per-op path) are unaffected.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <omp.h>
 #include <torch/extension.h>
 
 #include "kernels2.h"
 #include "simd2.h"
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -26,11 +30,65 @@ using namespace m2r2_avx2;
 
 inline const at::BFloat16* as_bf16(const uint16_t* p) { return reinterpret_cast<const at::BFloat16*>(p); }
 
+// The threads that run a pass's blocks together: one OpenMP region for a whole stack (stack_forward), each thread
+// taking its share of every step, with a barrier where a step reads what another thread wrote. Why: a block of a
+// few rows used to fork and join both threads for each of its linear layers and its attention (~5 regions a block,
+// 150 a pass) and ran its row-wise steps (norms, the int8 inputs, RoPE, SwiGLU's product, the adds) on one thread
+// while the other waited; a barrier costs less than a fork and join, and the row-wise steps split by groups of 32
+// columns. Every value is computed by the same operations as before, whichever thread computes it: the same bits.
+// A barrier for one team's threads that spins (a pause an iteration) instead of going through OpenMP's: the threads
+// are about to run again within microseconds
+struct SpinBarrier {
+  alignas(64) std::atomic<int> arrived{0};
+  alignas(64) std::atomic<int> phase{0};
+};
+
+struct Team {
+  int id = 0, size = 1;
+  SpinBarrier* barrier = nullptr;
+  // this thread's share [lo, hi) of n items, cut as at::parallel_for cuts them
+  std::pair<int64_t, int64_t> share(int64_t n) const {
+    const int64_t chunk = (n + size - 1) / size;
+    return {std::min(n, id * chunk), std::min(n, (id + 1) * chunk)};
+  }
+  // wait until every thread of the team got here (and sees what the others wrote before)
+  void sync() const {
+    if (size == 1) return;
+    const int phase = barrier->phase.load(std::memory_order_relaxed);
+    if (barrier->arrived.fetch_add(1, std::memory_order_acq_rel) == size - 1) {  // the last one: release the rest
+      barrier->arrived.store(0, std::memory_order_relaxed);
+      barrier->phase.store(phase + 1, std::memory_order_release);
+    } else {
+      while (barrier->phase.load(std::memory_order_acquire) == phase) _mm_pause();
+    }
+  }
+};
+
+// f(team) on each of at::get_num_threads() threads, or on the calling thread alone where that is 1 or a parallel
+// region is running already
+template <typename F>
+void in_team(const F& f) {
+  const int n = at::get_num_threads();
+  if (n <= 1 || at::in_parallel_region()) return f(Team{});
+  SpinBarrier barrier;
+#pragma omp parallel num_threads(n)
+  f(Team{omp_get_thread_num(), omp_get_num_threads(), &barrier});
+}
+
 // block_rows' intermediate rows: the normed input, q|k|v, the attention output, the residual, gate|up, SwiGLU's
-// product (bfloat16 bits), the rotated queries and the attention's float32 output
+// product (bfloat16 bits), the rotated queries and the attention's float32 output, and two sets of a linear layer's
+// int8 inputs with their per-group terms (a step fills one set while another thread may still read the other)
 struct BlockScratch {
   Scratch<uint16_t> h, y, o, a, gu, act;
-  Scratch<float> qf, of;
+  Scratch<float> qf, of, step[2], qsum[2];
+  Scratch<int8_t> xq[2];
+};
+
+// Where a block pass's threads find the rows (pointers into the calling thread's BlockScratch, taken on that thread)
+struct Rows {
+  uint16_t *h, *y, *o, *a, *gu, *act;
+  float *qf, *of, *step[2], *qsum[2];
+  int8_t* xq[2];
 };
 
 // out[i] = bf16(a[i] + b[i]) for n values (n a multiple of 8): torch's bfloat16 add, 8 lanes at a time
@@ -42,6 +100,26 @@ struct Linear {
   torch::Tensor qbytes, scales, bias;  // bias: bfloat16 [N] or undefined
   int bits = 4;
   int64_t in = 0, out = 0;
+
+  int64_t blocks() const { return qbytes.size(0); }
+
+  // this thread's output blocks [b0, b1): whole pairs (q4_rows.h), cut as linear_rows cuts them
+  std::pair<int64_t, int64_t> share(const Team& team) const {
+    const auto [p0, p1] = team.share((blocks() + 1) / 2);
+    return {2 * p0, std::min(2 * p1, blocks())};
+  }
+
+  // output blocks [b0, b1) of `rows` rows from their int8 inputs (loop: loop_for(bits, rows, blocks())), bias added
+  void run_blocks(Loop loop, const int8_t* xq, const float* step, const float* qsum, int64_t rows, uint16_t* y,
+                  int64_t b0, int64_t b1) const {
+    if (b0 >= b1) return;
+    linear_blocks(loop, bits, static_cast<const uint8_t*>(qbytes.data_ptr()), scales.data_ptr<at::Half>(), xq, step,
+                  qsum, rows, in, blocks(), y, b0, b1);
+    if (bias.defined()) {
+      const auto* b = reinterpret_cast<const uint16_t*>(bias.data_ptr<at::BFloat16>());
+      for (int64_t r = 0; r < rows; ++r) add_bf16(y + r * out + b0 * 8, b + b0 * 8, y + r * out + b0 * 8, (b1 - b0) * 8);
+    }
+  }
 
   void run(const uint16_t* x, int64_t rows, uint16_t* y) const {
     linear_rows(bits, reinterpret_cast<const at::BFloat16*>(x), rows, in, static_cast<const uint8_t*>(qbytes.data_ptr()),
@@ -108,77 +186,149 @@ BlockWeights make_block(torch::Tensor attn_norm, torch::Tensor mlp_norm, double 
 
 namespace {
 
-// The block over T rows (raw pointers; the checks are the callers'): x, cos, sin, out as bfloat16 bits.
-void block_rows(const BlockWeights& w, const uint16_t* xp, int64_t T, torch::Tensor& k_cache, torch::Tensor& v_cache,
-                int64_t pos, const bool* mask, int64_t S, const uint16_t* cp, const uint16_t* sp, uint16_t* op) {
+// The calling thread's scratch rows for a pass of T rows through blocks shaped like w (grown to fit, kept from call to
+// call: every step below writes its rows whole before reading them, so reusing them gives the same bits and saves each
+// block its allocations and zero fills; experiments/block_phases.py). Taken on the calling thread, before a team's
+// region: in it, the name of a thread_local would be each thread's own.
+Rows rows_for(const BlockWeights& w, int64_t T) {
+  thread_local BlockScratch sc;
+  const int64_t d = w.attn_norm.numel(), nq = w.heads * w.head_dim, nqkv = w.qkv.out, inter = w.w2.in;
+  const int64_t K = std::max({d, nq, inter});
+  sc.h.fit(T * d), sc.y.fit(T * nqkv), sc.o.fit(T * nq), sc.a.fit(T * d), sc.gu.fit(T * 2 * inter);
+  sc.act.fit(T * inter), sc.qf.fit(T * nq), sc.of.fit(T * nq);
+  Rows r{sc.h.data(), sc.y.data(), sc.o.data(), sc.a.data(), sc.gu.data(), sc.act.data(), sc.qf.data(), sc.of.data(),
+         {}, {}, {}};
+  for (int i = 0; i < 2; ++i) {
+    sc.xq[i].fit(T * K), sc.step[i].fit(T * K / 32), sc.qsum[i].fit(T * K / 32);
+    r.xq[i] = sc.xq[i].data(), r.step[i] = sc.step[i].data(), r.qsum[i] = sc.qsum[i].data();
+  }
+  return r;
+}
+
+// A block's K/V cache: base pointers, element size and the strides of its [1, KVH, capacity, D] view
+struct CacheView {
+  char *k, *v;
+  bool bf16;
+  int64_t el, kv[6];  // k's strides (batch, head, slot), then v's
+};
+
+CacheView cache_view(const torch::Tensor& k_cache, const torch::Tensor& v_cache) {
+  return {static_cast<char*>(k_cache.data_ptr()),
+          static_cast<char*>(v_cache.data_ptr()),
+          k_cache.scalar_type() == at::kBFloat16,
+          k_cache.element_size(),
+          {k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)}};
+}
+
+// RMSNorm of T rows of x (d wide) with weight nw into h, then their int8 inputs for `next` in set s of `rows`: this
+// thread's groups of 32 columns of every row (each thread takes the row's scale itself: the same value)
+void norm_share(const Team& team, const uint16_t* x, const torch::Tensor& nw, float eps, int64_t T, int64_t d,
+                const Linear& next, Loop loop, const Rows& rows, int s) {
+  const auto [g0, g1] = team.share(d / 32);
+  if (g0 >= g1) return;
+  for (int64_t t = 0; t < T; ++t) {
+    const at::BFloat16* row = as_bf16(x + t * d);
+    rms_norm_range(row, nw.data_ptr<at::BFloat16>(), rms_scale(row, d, eps), 32 * g0, 32 * g1, rows.h + t * d);
+  }
+  quantize_groups(as_bf16(rows.h), T, d, g0, g1, offset_inputs(next.bits, loop), rows.xq[s], rows.step[s], rows.qsum[s]);
+}
+
+// out[c] = bf16(a[c] + out[c]) over columns of output blocks [b0, b1) of T rows n wide: a residual add, this thread's
+void add_blocks(const uint16_t* a, uint16_t* out, int64_t T, int64_t n, int64_t b0, int64_t b1) {
+  for (int64_t t = 0; t < T; ++t) add_bf16(a + t * n + b0 * 8, out + t * n + b0 * 8, out + t * n + b0 * 8, (b1 - b0) * 8);
+}
+
+// The block over T rows (raw pointers; the checks are the callers'): x, cos, sin, out as bfloat16 bits. Every thread
+// of the team calls it; each takes its share of each step.
+void block_rows(const Team& team, const BlockWeights& w, const Rows& r, const uint16_t* xp, int64_t T,
+                const CacheView& c, int64_t pos, const bool* mask, int64_t S, const uint16_t* cp, const uint16_t* sp,
+                uint16_t* op) {
   const int64_t d = w.attn_norm.numel(), H = w.heads, KVH = w.kv_heads, D = w.head_dim;
   const float eps = static_cast<float>(w.eps);
   const int64_t nq = H * D, nkv = KVH * D, nqkv = nq + 2 * nkv, inter = w.w2.in;
+  const Loop lqkv = loop_for(w.qkv.bits, T, w.qkv.blocks()), lo = loop_for(w.o.bits, T, w.o.blocks());
+  const Loop l13 = loop_for(w.w13.bits, T, w.w13.blocks()), l2 = loop_for(w.w2.bits, T, w.w2.blocks());
 
-  // The calling thread's scratch rows, kept from block to block: every step below writes them whole before reading
-  // them, so reusing them gives the same bits and saves each block its allocations and zero fills (1.3 us a block at
-  // one row, 0.5 us a row more; experiments/block_phases.py). Bound to references here, on the calling thread: the
-  // parallel steps' lambdas run on other threads, where the name of a thread_local would be theirs.
-  thread_local BlockScratch scratch;
-  auto &h = scratch.h, &y = scratch.y, &o = scratch.o, &a = scratch.a, &gu = scratch.gu, &act = scratch.act;
-  auto &qf = scratch.qf, &of = scratch.of;
-  h.fit(T * d), y.fit(T * nqkv), o.fit(T * nq), a.fit(T * d), gu.fit(T * 2 * inter), act.fit(T * inter);
-  qf.fit(H * T * D), of.fit(T * H * D);
-  rms_norm_rows(reinterpret_cast<const at::BFloat16*>(xp), w.attn_norm.data_ptr<at::BFloat16>(), T, d, eps, h.data());
-  w.qkv.run(h.data(), T, y.data());
+  norm_share(team, xp, w.attn_norm, eps, T, d, w.qkv, lqkv, r, 0);
+  team.sync();
+  {
+    const auto [b0, b1] = w.qkv.share(team);
+    w.qkv.run_blocks(lqkv, r.xq[0], r.step[0], r.qsum[0], T, r.y, b0, b1);
+  }
+  team.sync();
 
-  // RoPE of the q and k heads as bfloat16 ops: x * cos and roll(x, D/2) * sin each rounded, then their sum
-  const bool k16 = k_cache.scalar_type() == at::kBFloat16;
-  const int64_t ks[2] = {k_cache.stride(1), k_cache.stride(2)}, vs[2] = {v_cache.stride(1), v_cache.stride(2)};
-  char* kb = static_cast<char*>(k_cache.data_ptr());
-  char* vb = static_cast<char*>(v_cache.data_ptr());
-  const int64_t el = k_cache.element_size();
-  parallel_rows(T, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const uint16_t* yt = y.data() + t * nqkv;
-      const at::BFloat16 *ct = as_bf16(cp + t * D), *st = as_bf16(sp + t * D);
-      for (int64_t hh = 0; hh < H + KVH; ++hh) {
-        const at::BFloat16* src = as_bf16(yt + hh * D);
-        for (int64_t i = 0; i < D; i += 8) {  // roll(x, D/2)'s chunk starts at (i + D/2) % D (D % 16 == 0)
-          const __m256 a = round_bf16(_mm256_mul_ps(load8(src + i, 8), load8(ct + i, 8)));
-          const __m256 b = round_bf16(_mm256_mul_ps(load8(src + (i + D / 2) % D, 8), load8(st + i, 8)));
-          const __m256 r = _mm256_add_ps(a, b);
-          if (hh < H) {
-            _mm256_storeu_ps(qf.data() + (hh * T + t) * D + i, round_bf16(r));  // q as float32 [H, T, D]
-          } else {
-            char* dst = kb + ((hh - H) * ks[0] + (pos + t) * ks[1] + i) * el;
-            if (k16)
-              store8_bf16(reinterpret_cast<uint16_t*>(dst), r);
-            else
-              _mm256_storeu_ps(reinterpret_cast<float*>(dst), round_bf16(r));
-          }
-        }
-      }
-      for (int64_t hh = 0; hh < KVH; ++hh) {  // v: the remaining heads, unrotated
-        const uint16_t* src = yt + nq + nkv + hh * D;
-        char* dst = vb + (hh * vs[0] + (pos + t) * vs[1]) * el;
-        if (k16)
-          std::memcpy(dst, src, D * 2);
+  // RoPE of the q and k heads as bfloat16 ops: x * cos and roll(x, D/2) * sin each rounded, then their sum; the
+  // rotated keys and the values into the cache. Items (row, head) over the q, k and v heads.
+  const int64_t heads = H + 2 * KVH;
+  const auto [i0, i1] = team.share(T * heads);
+  for (int64_t item = i0; item < i1; ++item) {
+    const int64_t t = item / heads, hh = item % heads;
+    const uint16_t* src16 = r.y + t * nqkv + hh * D;
+    if (hh >= H + KVH) {  // v: unrotated
+      char* dst = c.v + ((hh - H - KVH) * c.kv[4] + (pos + t) * c.kv[5]) * c.el;
+      if (c.bf16)
+        std::memcpy(dst, src16, D * 2);
+      else
+        for (int64_t i = 0; i < D; i += 8) _mm256_storeu_ps(reinterpret_cast<float*>(dst) + i, load8(as_bf16(src16 + i), 8));
+      continue;
+    }
+    const at::BFloat16 *ct = as_bf16(cp + t * D), *st = as_bf16(sp + t * D), *src = as_bf16(src16);
+    for (int64_t i = 0; i < D; i += 8) {  // roll(x, D/2)'s chunk starts at (i + D/2) % D (D % 16 == 0)
+      const __m256 a = round_bf16(_mm256_mul_ps(load8(src + i, 8), load8(ct + i, 8)));
+      const __m256 b = round_bf16(_mm256_mul_ps(load8(src + (i + D / 2) % D, 8), load8(st + i, 8)));
+      const __m256 sum = _mm256_add_ps(a, b);
+      if (hh < H) {
+        _mm256_storeu_ps(r.qf + (hh * T + t) * D + i, round_bf16(sum));  // q as float32 [H, T, D]
+      } else {
+        char* dst = c.k + ((hh - H) * c.kv[1] + (pos + t) * c.kv[2] + i) * c.el;
+        if (c.bf16)
+          store8_bf16(reinterpret_cast<uint16_t*>(dst), sum);
         else
-          for (int64_t i = 0; i < D; i += 8) _mm256_storeu_ps(reinterpret_cast<float*>(dst) + i, load8(as_bf16(src + i), 8));
+          _mm256_storeu_ps(reinterpret_cast<float*>(dst), round_bf16(sum));
       }
     }
-  });
-  const int64_t kv[6] = {k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)};
-  attention_rows(qf.data(), k_cache.data_ptr(), v_cache.data_ptr(), k16, kv, mask, 0, of.data(), 1, H,
-                 T, D, KVH, S, static_cast<float>(std::pow(static_cast<double>(D), -0.5)));
-  parallel_rows(T, [&](int64_t t0, int64_t t1) {  // [T, H * D]
-    for (int64_t i = t0 * nq; i < t1 * nq; i += 8) store8_bf16(o.data() + i, _mm256_loadu_ps(of.data() + i));
-  });
-
-  w.o.run(o.data(), T, a.data());
-  parallel_rows(T, [&](int64_t t0, int64_t t1) { add_bf16(xp + t0 * d, a.data() + t0 * d, a.data() + t0 * d, (t1 - t0) * d); });
-  rms_norm_rows(reinterpret_cast<const at::BFloat16*>(a.data()), w.mlp_norm.data_ptr<at::BFloat16>(), T, d, eps, h.data());
-  w.w13.run(h.data(), T, gu.data());
-  silu_mul_rows(reinterpret_cast<const at::BFloat16*>(gu.data()), T, inter, act.data());
-  w.w2.run(act.data(), T, op);
-  parallel_rows(T, [&](int64_t t0, int64_t t1) { add_bf16(a.data() + t0 * d, op + t0 * d, op + t0 * d, (t1 - t0) * d); });
+  }
+  team.sync();
+  {  // by query vectors, so that a one-row pass's 3 key heads of 3 queries each split 5 : 4, not 6 : 3
+    const auto [u0, u1] = team.share(H * T);
+    attention_units(r.qf, c.k, c.v, c.bf16, c.kv, mask, 0, r.of, 1, H, T, D, KVH, S,
+                    static_cast<float>(std::pow(static_cast<double>(D), -0.5)), u0, u1);
+  }
+  team.sync();
+  {  // the attention's output [T, H * D] as bfloat16, then the output projection's int8 inputs: this thread's groups
+    const auto [g0, g1] = team.share(nq / 32);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t i = t * nq + 32 * g0; i < t * nq + 32 * g1; i += 8) store8_bf16(r.o + i, _mm256_loadu_ps(r.of + i));
+    if (g0 < g1) quantize_groups(as_bf16(r.o), T, nq, g0, g1, offset_inputs(w.o.bits, lo), r.xq[1], r.step[1], r.qsum[1]);
+  }
+  team.sync();
+  {  // the output projection and the residual add, this thread's columns
+    const auto [b0, b1] = w.o.share(team);
+    w.o.run_blocks(lo, r.xq[1], r.step[1], r.qsum[1], T, r.a, b0, b1);
+    if (b0 < b1) add_blocks(xp, r.a, T, d, b0, b1);
+  }
+  team.sync();
+  norm_share(team, r.a, w.mlp_norm, eps, T, d, w.w13, l13, r, 0);
+  team.sync();
+  {  // gate and up for this thread's groups of 32 intermediate columns (4 blocks of each: whole pairs), SwiGLU's
+     // product there and the down projection's int8 inputs for those groups
+    const auto [u0, u1] = team.share(inter / 32);
+    const int64_t half = inter / 8;  // up's first block
+    w.w13.run_blocks(l13, r.xq[0], r.step[0], r.qsum[0], T, r.gu, 4 * u0, 4 * u1);
+    w.w13.run_blocks(l13, r.xq[0], r.step[0], r.qsum[0], T, r.gu, half + 4 * u0, half + 4 * u1);
+    for (int64_t t = 0; t < T; ++t) {
+      const at::BFloat16* g = as_bf16(r.gu + t * 2 * inter);
+      silu_mul_range(g, g + inter, 32 * u0, 32 * u1, r.act + t * inter);
+    }
+    if (u0 < u1) quantize_groups(as_bf16(r.act), T, inter, u0, u1, offset_inputs(w.w2.bits, l2), r.xq[1], r.step[1], r.qsum[1]);
+  }
+  team.sync();
+  {  // the down projection and the second residual add, this thread's columns
+    const auto [b0, b1] = w.w2.share(team);
+    w.w2.run_blocks(l2, r.xq[1], r.step[1], r.qsum[1], T, op, b0, b1);
+    if (b0 < b1) add_blocks(r.a, op, T, d, b0, b1);
+  }
+  team.sync();
 }
 
 void check_cache(const torch::Tensor& k_cache, const torch::Tensor& v_cache, int64_t KVH, int64_t D) {
@@ -208,10 +358,14 @@ torch::Tensor block_forward(const BlockWeights& w, torch::Tensor x, torch::Tenso
                   sin.is_contiguous() && cos.size(0) == T && cos.size(1) == D && sin.sizes() == cos.sizes(),
               "cos, sin: contiguous bfloat16 [T, D]");
   auto out = torch::empty({T, d}, x.options());
-  block_rows(w, reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), T, k_cache, v_cache, pos,
-             mask.data_ptr<bool>(), S, reinterpret_cast<const uint16_t*>(cos.data_ptr<at::BFloat16>()),
-             reinterpret_cast<const uint16_t*>(sin.data_ptr<at::BFloat16>()),
-             reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
+  const Rows rows = rows_for(w, T);
+  const CacheView c = cache_view(k_cache, v_cache);
+  in_team([&](const Team& team) {
+    block_rows(team, w, rows, reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), T, c, pos,
+               mask.data_ptr<bool>(), S, reinterpret_cast<const uint16_t*>(cos.data_ptr<at::BFloat16>()),
+               reinterpret_cast<const uint16_t*>(sin.data_ptr<at::BFloat16>()),
+               reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
+  });
   return out;
 }
 
@@ -227,10 +381,10 @@ BlockStack make_stack(std::vector<BlockWeights> blocks) {
   return BlockStack{std::move(blocks)};
 }
 
-// Blocks 0..stop-1 of a stack over the same rows, one after another: block_forward's work for each, in one call.
-// Why: a one-token SmolLM2 step spent ~60 us of Python per block around block_forward (the checks, the module
-// call, finding the block's weights): ~1.8 ms of a ~8 ms step, during which a second thread only waits
-// (experiments/stack_overhead.py). Each block runs the same block_rows as block_forward, so the bits are
+// Blocks 0..stop-1 of a stack over the same rows, one after another: block_forward's work for each, in one call and
+// one team (see Team). Why: a one-token SmolLM2 step spent ~60 us of Python per block around block_forward (the
+// checks, the module call, finding the block's weights): ~1.8 ms of a ~8 ms step, during which a second thread only
+// waits (experiments/stack_overhead.py). Each block runs the same block_rows as block_forward, so the bits are
 // block_forward's (tested). k_all, v_all: the cache [layers, 1, KVH, capacity, D]; the rest as block_forward.
 // Returns the last block's output [T, d], or with keep every block's output in order.
 std::vector<torch::Tensor> stack_forward(const BlockStack& stack, torch::Tensor x, torch::Tensor k_all,
@@ -238,15 +392,49 @@ std::vector<torch::Tensor> stack_forward(const BlockStack& stack, torch::Tensor 
                                          torch::Tensor sin, int64_t stop, bool keep) {
   const int64_t n = static_cast<int64_t>(stack.blocks.size());
   TORCH_CHECK(stop >= 1 && stop <= n, "stop must be in 1..", n);
-  TORCH_CHECK(k_all.dim() == 5 && k_all.size(0) >= stop && v_all.sizes() == k_all.sizes(),
-              "k_all, v_all: [layers, 1, KVH, capacity, D]");
-  std::vector<torch::Tensor> outs;
-  torch::Tensor h = x;
+  TORCH_CHECK(k_all.dim() == 5 && k_all.size(0) >= stop && v_all.sizes() == k_all.sizes() &&
+                  k_all.strides() == v_all.strides(),
+              "k_all, v_all: [layers, 1, KVH, capacity, D], the same strides");
+  const BlockWeights& w0 = stack.blocks[0];
+  const int64_t T = x.size(0), d = x.size(1), S = mask.dim() == 2 ? mask.size(1) : -1;
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && d == w0.attn_norm.numel(),
+              "x: contiguous bfloat16 [T, d]");
+  check_cache(k_all.select(0, 0), v_all.select(0, 0), w0.kv_heads, w0.head_dim);
+  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.is_contiguous() && mask.dim() == 2 && mask.size(0) == T &&
+                  S <= k_all.size(3),
+              "mask: contiguous bool [T, S], S <= capacity");
+  TORCH_CHECK(pos >= 0 && pos + T <= k_all.size(3), "rows past the cache's capacity");
+  TORCH_CHECK(cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16 && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.size(0) == T && cos.size(1) == w0.head_dim && sin.sizes() == cos.sizes(),
+              "cos, sin: contiguous bfloat16 [T, D]");
   for (int64_t i = 0; i < stop; ++i) {
-    h = block_forward(stack.blocks[i], h, k_all.select(0, i), v_all.select(0, i), pos, mask, cos, sin);
-    if (keep || i == stop - 1) outs.push_back(h);
+    const BlockWeights& w = stack.blocks[i];
+    TORCH_CHECK(w.kv_heads == w0.kv_heads && w.head_dim == w0.head_dim, "blocks of one head shape");
+    rows_for(w, T);  // grown to the largest block first: the pointers taken below then hold for every block
   }
-  return outs;
+  const Rows rows = rows_for(w0, T);
+  std::vector<CacheView> caches;
+  for (int64_t i = 0; i < stop; ++i) caches.push_back(cache_view(k_all.select(0, i), v_all.select(0, i)));
+  // every block's output (keep), or two buffers taken in turn: a block reads its input until its last step
+  auto outs = torch::empty({keep ? stop : std::min<int64_t>(stop, 2), T, d}, x.options());
+  const auto out_of = [&](int64_t i) {
+    return reinterpret_cast<uint16_t*>(outs.select(0, keep ? i : i % 2).data_ptr<at::BFloat16>());
+  };
+  std::vector<uint16_t*> out_rows;
+  for (int64_t i = 0; i < stop; ++i) out_rows.push_back(out_of(i));
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const auto* cp = reinterpret_cast<const uint16_t*>(cos.data_ptr<at::BFloat16>());
+  const auto* sp = reinterpret_cast<const uint16_t*>(sin.data_ptr<at::BFloat16>());
+  const bool* mp = mask.data_ptr<bool>();
+  in_team([&](const Team& team) {
+    for (int64_t i = 0; i < stop; ++i)
+      block_rows(team, stack.blocks[i], rows, i == 0 ? xp : out_rows[i - 1], T, caches[i], pos, mp, S, cp, sp,
+                 out_rows[i]);
+  });
+  if (!keep) return {outs.select(0, (stop - 1) % 2)};
+  std::vector<torch::Tensor> all;
+  for (int64_t i = 0; i < stop; ++i) all.push_back(outs.select(0, i));
+  return all;
 }
 
 // One greedy draft level of a seeded fast stream whose one fast layer is a full (merged) block: node i is seeded
@@ -298,7 +486,11 @@ std::vector<torch::Tensor> draft_level(const BlockWeights& w, const Linear& fuse
   fuse.run(x.data(), n, f0.data());
   auto states = torch::empty({n, d}, seeds.options());
   auto* fp = reinterpret_cast<uint16_t*>(states.data_ptr<at::BFloat16>());
-  block_rows(w, f0.data(), n, k_cache, v_cache, at, reinterpret_cast<const bool*>(mask.data()), S, cs.data(), sn.data(), fp);
+  const Rows rows = rows_for(w, n);
+  const CacheView c = cache_view(k_cache, v_cache);
+  in_team([&](const Team& team) {
+    block_rows(team, w, rows, f0.data(), n, c, at, reinterpret_cast<const bool*>(mask.data()), S, cs.data(), sn.data(), fp);
+  });
   rms_norm_rows(as_bf16(fp), norm_w.data_ptr<at::BFloat16>(), n, d, static_cast<float>(eps), hn.data());
   head.run(hn.data(), n, logits.data());
   auto ids = torch::empty({n, k}, tokens.options());

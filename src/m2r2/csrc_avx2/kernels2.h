@@ -43,6 +43,19 @@ inline void parallel_rows(int64_t rows, const F& f) {
 // y [M, blocks * 8] (bfloat16 bits) = x [M, K] times a packed 4-bit (bits 4) or 8-bit (bits 8) weight
 void linear_rows(int bits, const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* qbytes, const at::Half* scales,
                  int64_t blocks, uint16_t* y);
+// linear_rows in parts, for callers that split a pass's work themselves (the fused block's team, block_avx2.cpp):
+// the loop a pass of M rows takes (AMX tiles for long passes of whole pairs, else the VNNI or the AVX2 loop; the same
+// integers and bits on each), whether that loop wants its 8-bit inputs offset by 128, each row's int8 inputs for
+// groups [g0, g1) of 32 (x, q rows K apart; step, qsum rows K / 32 apart), and output blocks [b0, b1) (whole pairs:
+// b0 even) from the rows' int8 inputs
+enum class Loop { avx2, vnni, amx };
+Loop loop_for(int bits, int64_t M, int64_t blocks);
+inline bool offset_inputs(int bits, Loop loop) { return bits == 8 && loop == Loop::vnni; }
+void quantize_groups(const at::BFloat16* x, int64_t M, int64_t K, int64_t g0, int64_t g1, bool offset, int8_t* q,
+                     float* step, float* qsum);
+void linear_blocks(Loop loop, int bits, const uint8_t* qbytes, const at::Half* scales, const int8_t* xq,
+                   const float* step, const float* qsum, int64_t M, int64_t K, int64_t blocks, uint16_t* y, int64_t b0,
+                   int64_t b1);
 // Whether linear_rows runs its loop's AVX512-VNNI build (q4_vnni.cpp): the CPU has AVX512-VNNI and VL and
 // neither M2R2_NO_VNNI=1 nor set_vnni(false) turned it off. Either build gives a row the same bits.
 bool vnni_in_use();
@@ -67,6 +80,9 @@ void block_range_amx(int bits, const uint8_t* qbytes, const at::Half* scales, co
                      const float* qsum, int64_t M, int64_t K, int64_t blocks, uint16_t* y, int64_t b0, int64_t b1);
 // RMSNorm of `rows` rows of D
 void rms_norm_rows(const at::BFloat16* x, const at::BFloat16* w, int64_t rows, int64_t D, float eps, uint16_t* out);
+// rms_norm_rows in parts: a row's scale 1 / sqrt(mean(x^2) + eps), then its normed values c0..c1-1 (c0 a multiple of 8)
+float rms_scale(const at::BFloat16* row, int64_t D, float eps);
+void rms_norm_range(const at::BFloat16* row, const at::BFloat16* w, float scale, int64_t c0, int64_t c1, uint16_t* out);
 // row attention: q [B, H, T, D] float32; k, v float32 or bfloat16 (`bf16`) with strides kv = {k's b, h, s; v's b,
 // h, s}; mask [T, S] per batch item (item stride mb); out [B, T, H, D] float32
 void attention_rows(const float* q, const void* k, const void* v, bool bf16, const int64_t* kv, const bool* mask,
@@ -86,5 +102,12 @@ void values_avx512(const float* e, int64_t estride, int64_t G, const int32_t* ke
                  int64_t vs, const float* tots, float* out, int64_t D);
 // silu(gate) * up of rows [gate (m) | up (m)] into [rows, m]
 void silu_mul_rows(const at::BFloat16* gu, int64_t rows, int64_t m, uint16_t* out);
+// one row's silu(gate[j]) * up[j] for j in c0..c1-1 (c0 a multiple of 8), into out[j]
+void silu_mul_range(const at::BFloat16* gate, const at::BFloat16* up, int64_t c0, int64_t c1, uint16_t* out);
+// attention_rows' query vectors u0..u1-1 (u = ((b * KVH + h) * T + t) * (H / KVH) + g: vector g of key head h's group in
+// row t), on the calling thread (the same bits however a pass's vectors are cut)
+void attention_units(const float* q, const void* k, const void* v, bool bf16, const int64_t* kv, const bool* mask,
+                     int64_t mb, float* out, int64_t B, int64_t H, int64_t T, int64_t D, int64_t KVH, int64_t S,
+                     float sc, int64_t i0, int64_t i1);
 
 }  // namespace m2r2_avx2

@@ -11,7 +11,7 @@
 //
 // Same integers, same bits: TDPBSSD multiplies signed bytes by signed bytes into 32-bit sums without
 // saturation (at most 32 x 127 x 127 per group here). The weights are signed bytes on both paths (4-bit
-// nibbles 0..15, 8-bit -127..127) and the inputs are quantize_rows' signed int8, not the VNNI 8-bit loop's
+// nibbles 0..15, 8-bit -127..127) and the inputs are quantize_groups' signed int8, not the VNNI 8-bit loop's
 // x + 128 (linear_rows skips that offset for this path), so every group's integer sums equal the VNNI loop's,
 // and its float terms then run lane by lane in pair_rows' order: a row gets the same bits on either path, and
 // so for any number of rows (tested).

@@ -45,14 +45,17 @@ inline int32_t hsum(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
-// Each row's inputs as int8 per group of 32: q = round(x / dx), dx = max|x| / 127 (0 for a zero
-// group), and dx * sum(q) for the minima's term. Row by row, so a row's numbers are its own.
-void quantize_rows(const at::BFloat16* x, int64_t M, int64_t K, int8_t* q, float* step, float* qsum) {
+// Each row's inputs as int8 per group of 32 (groups g0..g1-1): q = round(x / dx), dx = max|x| / 127 (0 for a
+// zero group), and dx * sum(q) for the minima's term; with `offset`, q + 128 as unsigned bytes (the VNNI 8-bit
+// loop's inputs, q4_rows.h). Group by group, so a row's numbers are its own and do not depend on the split.
+void quantize_groups_(const at::BFloat16* x, int64_t M, int64_t K, int64_t g0, int64_t g1, bool offset, int8_t* q,
+                      float* step, float* qsum) {
   const int64_t G = K / 32;
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes packs' lane interleave
+  const __m256i flip = _mm256_set1_epi8(offset ? static_cast<char>(0x80) : 0);
   for (int64_t i = 0; i < M; ++i)
-    for (int64_t g = 0; g < G; ++g) {
+    for (int64_t g = g0; g < g1; ++g) {
       const at::BFloat16* xg = x + i * K + g * 32;
       __m256 v[4];
       __m256 amax = _mm256_setzero_ps();
@@ -69,7 +72,7 @@ void quantize_rows(const at::BFloat16* x, int64_t M, int64_t K, int8_t* q, float
       const int32_t s = hsum(_mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3])));
       const __m256i w16 = _mm256_packs_epi32(qi[0], qi[1]), w16b = _mm256_packs_epi32(qi[2], qi[3]);
       const __m256i b8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w16, w16b), order);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i * K + g * 32), b8);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i * K + g * 32), _mm256_xor_si256(b8, flip));
       step[i * G + g] = d;
       qsum[i * G + g] = d * static_cast<float>(s);
     }
@@ -88,26 +91,12 @@ void linear_rows(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* qp,
   xq_rows.fit(M * K), step_rows.fit(M * G), qsum_rows.fit(M * G);
   int8_t* xq = xq_rows.data();
   float *step = step_rows.data(), *qsum = qsum_rows.data();
+  const Loop loop = loop_for(BITS, M, blocks);
   parallel_rows(M, [&](int64_t r0, int64_t r1) {
-    quantize_rows(x + r0 * K, r1 - r0, K, xq + r0 * K, step + r0 * G, qsum + r0 * G);
+    quantize_groups_(x + r0 * K, r1 - r0, K, 0, G, offset_inputs(BITS, loop), xq + r0 * K, step + r0 * G, qsum + r0 * G);
   });
-  const bool vnni = m2r2_avx2::vnni_in_use();
-  // AMX tiles for passes of amx_min_rows() rows or more, whole pairs of blocks only (every layer of the bundled
-  // models); the same integers and bits as the loops below (q4_amx_rows.cpp)
-  const bool amx = M >= m2r2_avx2::amx_min_rows() && blocks % 2 == 0 && m2r2_avx2::amx_rows_in_use();
-  // The VNNI build's 8-bit loop multiplies unsigned inputs by signed weights: it takes x + 128 (the top bit
-  // flipped) and subtracts 128 sum w per group, the same integers without a sign transfer per row and product
-  // (q4_rows.h).
-  if (BITS == 8 && vnni && !amx)
-    for (int64_t i = 0; i < M * K; ++i) xq[i] = static_cast<int8_t>(static_cast<uint8_t>(xq[i]) ^ 0x80u);
   at::parallel_for(0, (blocks + 1) / 2, 8, [&](int64_t p0, int64_t p1) {  // whole pairs of blocks (q4_rows.h)
-    const int64_t b0 = 2 * p0, b1 = std::min(2 * p1, blocks);
-    if (amx)
-      m2r2_avx2::block_range_amx(BITS, qp, sp, xq, step, qsum, M, K, blocks, yp, b0, b1);
-    else if (vnni)
-      m2r2_avx2::block_range_vnni(BITS, qp, sp, xq, step, qsum, M, K, blocks, yp, b0, b1);
-    else
-      block_range<BITS>(qp, sp, xq, step, qsum, M, K, blocks, yp, b0, b1);
+    linear_blocks(loop, BITS, qp, sp, xq, step, qsum, M, K, blocks, yp, 2 * p0, std::min(2 * p1, blocks));
   });
 }
 
@@ -140,6 +129,31 @@ std::atomic<bool> vnni_on{cpu_has_vnni() && !turned_off("M2R2_NO_VNNI")};
 
 bool vnni_in_use() { return vnni_on.load(std::memory_order_relaxed); }
 bool set_vnni(bool on) { return vnni_on.exchange(on && cpu_has_vnni()); }
+
+Loop loop_for(int bits, int64_t M, int64_t blocks) {
+  (void)bits;
+  // AMX tiles for passes of amx_min_rows() rows or more, whole pairs of blocks only (every layer of the bundled
+  // models); the same integers and bits as the loops (q4_amx_rows.cpp)
+  if (M >= amx_min_rows() && blocks % 2 == 0 && amx_rows_in_use()) return Loop::amx;
+  return vnni_in_use() ? Loop::vnni : Loop::avx2;
+}
+
+void quantize_groups(const at::BFloat16* x, int64_t M, int64_t K, int64_t g0, int64_t g1, bool offset, int8_t* q,
+                     float* step, float* qsum) {
+  quantize_groups_(x, M, K, g0, g1, offset, q, step, qsum);
+}
+
+void linear_blocks(Loop loop, int bits, const uint8_t* qp, const at::Half* sp, const int8_t* xq, const float* step,
+                   const float* qsum, int64_t M, int64_t K, int64_t blocks, uint16_t* yp, int64_t b0, int64_t b1) {
+  if (loop == Loop::amx)
+    block_range_amx(bits, qp, sp, xq, step, qsum, M, K, blocks, yp, b0, b1);
+  else if (loop == Loop::vnni)
+    block_range_vnni(bits, qp, sp, xq, step, qsum, M, K, blocks, yp, b0, b1);
+  else if (bits == 4)
+    block_range<4>(qp, sp, xq, step, qsum, M, K, blocks, yp, b0, b1);
+  else
+    block_range<8>(qp, sp, xq, step, qsum, M, K, blocks, yp, b0, b1);
+}
 
 void linear_rows(int bits, const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* qbytes, const at::Half* scales,
                  int64_t blocks, uint16_t* y) {

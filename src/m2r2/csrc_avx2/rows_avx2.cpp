@@ -49,26 +49,31 @@ int64_t argmax_row(const T* row, int64_t V) {
 }  // namespace
 
 namespace m2r2_avx2 {
+float rms_scale(const at::BFloat16* row, int64_t D, float e) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) {
+    const __m256 v = load8(row + d, D - d);
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  return 1.0f / std::sqrt(hsum(acc) / static_cast<float>(D) + e);
+}
+
+void rms_norm_range(const at::BFloat16* row, const at::BFloat16* wp, float scale, int64_t c0, int64_t c1, uint16_t* op) {
+  const __m256 s = _mm256_set1_ps(scale);
+  for (int64_t d = c0; d < c1; d += 8) {
+    const int64_t n = std::min<int64_t>(8, c1 - d);
+    const __m256 v = round_bf16(_mm256_mul_ps(load8(row + d, n), s));
+    uint16_t t[8];
+    store8_bf16(t, _mm256_mul_ps(v, load8(wp + d, n)));
+    std::memcpy(op + d, t, n * sizeof(uint16_t));
+  }
+}
+
 // RMSNorm of `rows` bfloat16 rows of D (csrc/rms_norm.cpp's order), raw pointers: shared by the op below
 // and the fused decoder block (block_avx2.cpp).
 void rms_norm_rows(const at::BFloat16* xp, const at::BFloat16* wp, int64_t rows, int64_t D, float e, uint16_t* op) {
   parallel_rows(rows, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const at::BFloat16* row = xp + r * D;
-      __m256 acc = _mm256_setzero_ps();
-      for (int64_t d = 0; d < D; d += 8) {
-        const __m256 v = load8(row + d, D - d);
-        acc = _mm256_fmadd_ps(v, v, acc);
-      }
-      const __m256 scale = _mm256_set1_ps(1.0f / std::sqrt(hsum(acc) / static_cast<float>(D) + e));
-      for (int64_t d = 0; d < D; d += 8) {
-        const int64_t n = std::min<int64_t>(8, D - d);
-        const __m256 v = round_bf16(_mm256_mul_ps(load8(row + d, n), scale));
-        uint16_t t[8];
-        store8_bf16(t, _mm256_mul_ps(v, load8(wp + d, n)));
-        std::memcpy(op + r * D + d, t, n * sizeof(uint16_t));
-      }
-    }
+    for (int64_t r = r0; r < r1; ++r) rms_norm_range(xp + r * D, wp, rms_scale(xp + r * D, D, e), 0, D, op + r * D);
   });
 }
 }  // namespace m2r2_avx2
@@ -265,22 +270,26 @@ inline bool holds_bfloat16(const float* p, int64_t n) {
   return low == 0;
 }
 
+// Query vectors u0..u1-1 of a pass (u = ((b * KVH + h) * T + t) * G + g: vector g of key head h's group in row t) on
+// the calling thread, a run of one row and head's vectors at a time. A vector's sums are the same whichever vectors
+// of its group run beside it (each has its own accumulators), so any cut gives the same bits.
 template <typename KT>
-void run_rows(const float* qp, const KT* kp, const KT* vp, const bool* mp, float* op, int64_t B, int64_t H, int64_t T,
-              int64_t D, int64_t KVH, int64_t S, const int64_t* kv, int64_t mb, float sc) {
+void run_units(const float* qp, const KT* kp, const KT* vp, const bool* mp, float* op, int64_t B, int64_t H, int64_t T,
+               int64_t D, int64_t KVH, int64_t S, const int64_t* kv, int64_t mb, float sc, int64_t u0, int64_t u1) {
   const int64_t G = H / KVH;
   // a bfloat16 cache and bfloat16 queries (every bfloat16 model's): the AVX-512 build of the same sums
   const bool wide = std::is_same_v<KT, at::BFloat16> && avx512_attention_in_use() && avx512_attention_fits(D) &&
                     holds_bfloat16(qp, B * H * T * D);
-  at::parallel_for(0, B * KVH * T, 1, [&](int64_t i0, int64_t i1) {
-    thread_local std::vector<int32_t> keys;
-    thread_local std::vector<float> e, tots;
-    for (int64_t item = i0; item < i1; ++item) {
-      const int64_t b = item / (KVH * T), h = item / T % KVH, t = item % T;
-      attend_row(qp + ((b * H + h * G) * T + t) * D, T * D, kp + b * kv[0] + h * kv[1], kv[2], vp + b * kv[3] + h * kv[4],
-                 kv[5], mp + b * mb + t * S, S, G, D, sc, op + ((b * T + t) * H + h * G) * D, keys, e, tots, wide);
-    }
-  });
+  thread_local std::vector<int32_t> keys;
+  thread_local std::vector<float> e, tots;
+  for (int64_t u = u0; u < u1;) {
+    const int64_t item = u / G, g0 = u % G, g1 = std::min(G, g0 + (u1 - u));
+    const int64_t b = item / (KVH * T), h = item / T % KVH, t = item % T;
+    attend_row(qp + ((b * H + h * G + g0) * T + t) * D, T * D, kp + b * kv[0] + h * kv[1], kv[2],
+               vp + b * kv[3] + h * kv[4], kv[5], mp + b * mb + t * S, S, g1 - g0, D, sc,
+               op + ((b * T + t) * H + h * G + g0) * D, keys, e, tots, wide);
+    u += g1 - g0;
+  }
 }
 
 }  // namespace
@@ -309,35 +318,44 @@ torch::Tensor row_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, t
 }
 
 namespace m2r2_avx2 {
+void attention_units(const float* q, const void* k, const void* v, bool bf16, const int64_t* kv, const bool* mask,
+                     int64_t mb, float* out, int64_t B, int64_t H, int64_t T, int64_t D, int64_t KVH, int64_t S,
+                     float sc, int64_t u0, int64_t u1) {
+  if (bf16)
+    run_units(q, static_cast<const at::BFloat16*>(k), static_cast<const at::BFloat16*>(v), mask, out, B, H, T, D, KVH,
+              S, kv, mb, sc, u0, u1);
+  else
+    run_units(q, static_cast<const float*>(k), static_cast<const float*>(v), mask, out, B, H, T, D, KVH, S, kv, mb, sc,
+              u0, u1);
+}
+
 void attention_rows(const float* q, const void* k, const void* v, bool bf16, const int64_t* kv, const bool* mask,
                     int64_t mb, float* out, int64_t B, int64_t H, int64_t T, int64_t D, int64_t KVH, int64_t S, float sc) {
-  if (bf16)
-    run_rows(q, static_cast<const at::BFloat16*>(k), static_cast<const at::BFloat16*>(v), mask, out, B, H, T, D, KVH, S,
-             kv, mb, sc);
-  else
-    run_rows(q, static_cast<const float*>(k), static_cast<const float*>(v), mask, out, B, H, T, D, KVH, S, kv, mb, sc);
+  const int64_t G = H / KVH;  // a key head's query vectors together: they share its keys' loads
+  at::parallel_for(0, B * KVH * T, 1, [&](int64_t i0, int64_t i1) {
+    attention_units(q, k, v, bf16, kv, mask, mb, out, B, H, T, D, KVH, S, sc, i0 * G, i1 * G);
+  });
 }
 
 // SwiGLU's product silu(gate) * up of `rows` rows [gate (m) | up (m)] (bfloat16) into [rows, m]:
 // silu(g) = g / (1 + exp(-g)) in float32, rounded to bfloat16, times up, rounded again (the two
 // roundings torch's `F.silu(gate) * up` makes), with this file's exp: lanes independent, so a row's
 // bits depend on that row alone.
+void silu_mul_range(const at::BFloat16* g, const at::BFloat16* u, int64_t c0, int64_t c1, uint16_t* o) {
+  for (int64_t j = c0; j < c1; j += 8) {
+    const int64_t n = std::min<int64_t>(8, c1 - j);
+    const __m256 x = load8(g + j, n);
+    const __m256 sig =
+        _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+    uint16_t t[8];
+    store8_bf16(t, _mm256_mul_ps(round_bf16(sig), load8(u + j, n)));
+    std::memcpy(o + j, t, n * sizeof(uint16_t));
+  }
+}
+
 void silu_mul_rows(const at::BFloat16* gu, int64_t rows, int64_t m, uint16_t* out) {
   parallel_rows(rows, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const at::BFloat16* g = gu + r * 2 * m;
-      const at::BFloat16* u = g + m;
-      uint16_t* o = out + r * m;
-      for (int64_t j = 0; j < m; j += 8) {
-        const int64_t n = std::min<int64_t>(8, m - j);
-        const __m256 x = load8(g + j, n);
-        const __m256 sig =
-            _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
-        uint16_t t[8];
-        store8_bf16(t, _mm256_mul_ps(round_bf16(sig), load8(u + j, n)));
-        std::memcpy(o + j, t, n * sizeof(uint16_t));
-      }
-    }
+    for (int64_t r = r0; r < r1; ++r) silu_mul_range(gu + r * 2 * m, gu + r * 2 * m + m, 0, m, out + r * m);
   });
 }
 }  // namespace m2r2_avx2
