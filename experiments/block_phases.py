@@ -8,8 +8,14 @@ buffers, the first RMSNorm, RoPE and the K/V write, the attention output's bfloa
 second RMSNorm, SwiGLU's product, the last add; all on the calling thread up to 16 rows), then their sum.
 
     python experiments/block_phases.py [THREADS] [BLOCKS] [CTX ...]
+
+Its edits match the block as it was before the pass's blocks ran in one team of threads (commit 03637d1; the team
+splits every step between the threads, so phases are no longer one thread's): run it on those sources with
+``SRC=DIR`` after ``git archive 03637d1 src/m2r2/csrc_avx2 | tar -x -C /tmp/prev`` (DIR =
+/tmp/prev/src/m2r2/csrc_avx2).
 """
 
+import os
 import shutil
 import sys
 import tempfile
@@ -27,7 +33,7 @@ contexts = [int(a) for a in sys.argv[3:]] or [250, 500]
 # the timed copy: PH(i) adds the time since the previous mark to phase i (0 q/k/v, 2 attention, 4 output, 5 gate|up,
 # 6 down; the element-wise steps between them: 7 scratch buffers, 8 first norm, 9 RoPE + K/V write, 10 output store,
 # 1 residual add + second norm, 3 SwiGLU's product, 11 last add)
-src = Path(amx.__file__).with_name("csrc_avx2")
+src = Path(os.environ.get("SRC") or Path(amx.__file__).with_name("csrc_avx2"))
 tmp = Path(tempfile.mkdtemp())
 for f in src.iterdir():
     if f.suffix in (".cpp", ".h"):

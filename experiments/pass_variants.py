@@ -23,8 +23,13 @@ although one large linear layer from memory costs nearly the same at 1 and 4 row
   rows up instead of from 17.
 
     python experiments/pass_variants.py OUT && python experiments/stream_ab.py OUT/next 2 250 200
+
+Its edits match the sources before the pass's blocks ran in one team of threads (commit 03637d1): run it on those
+with ``SRC=DIR`` after ``git archive 03637d1 src/m2r2/csrc_avx2 | tar -x -C /tmp/prev`` (DIR =
+/tmp/prev/src/m2r2/csrc_avx2), and compare with that build (``stream_ab.py OUT/<v>`` times against the current one).
 """
 
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -32,7 +37,7 @@ from pathlib import Path
 from m2r2 import amx
 
 out = Path(sys.argv[1])
-src = Path(amx.__file__).with_name("csrc_avx2")
+src = Path(os.environ.get("SRC") or Path(amx.__file__).with_name("csrc_avx2"))
 
 NEXT_DECL = """struct NextWeights {  // the next linear layer's weights (set by its caller; experiment only)
   const uint8_t* q = nullptr;
