@@ -2,8 +2,11 @@
 ids, and one warm-up answer per method (which also measures the tree's costs), so the timed answers start warm.
 
     from warmed import GEN, warmed_first_turns   # in a script run as python experiments/NAME.py
+
+The bundled model unless M2R2_MODEL names another (what ``--model`` takes: ``M2R2_MODEL=qwen2.5-coder-0.5b``).
 """
 
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -23,7 +26,7 @@ GEN = GenerationConfig(max_new_tokens=128)
 def warmed_first_turns(n_prompts: int, threads: int, first: int = 0) -> tuple[Engine, list[list[int]]]:
     """An engine on ``threads`` threads and MT-Bench prompts ``first..first+n_prompts-1`` (first turns, as chat
     ids), after `vanilla` and `m2r2` have each answered the first of them once."""
-    engine = Engine(threads=threads, quiet=True)
+    engine = Engine(os.environ.get("M2R2_MODEL") or None, threads=threads, quiet=True)
     prompts = load_dataset("mt_bench", first + n_prompts).prompts[first:]
     ids = [engine.tokenizer.encode_chat([{"role": "user", "content": p.turns[0]}]) for p in prompts]
     for method in ("vanilla", "m2r2"):

@@ -75,20 +75,35 @@ void in_team(const F& f) {
   f(Team{omp_get_thread_num(), omp_get_num_threads(), &barrier});
 }
 
-// block_rows' intermediate rows: the normed input, q|k|v, the attention output, the residual, gate|up, SwiGLU's
-// product (bfloat16 bits), the rotated queries and the attention's float32 output, and two sets of a linear layer's
-// int8 inputs with their per-group terms (a step fills one set while another thread may still read the other)
+// A linear layer's inputs for a pass: its rows (bfloat16 bits), their int8 values and per-group terms
+struct InputScratch {
+  Scratch<uint16_t> x;
+  Scratch<int8_t> q;
+  Scratch<float> step, qsum;
+};
+struct Inputs {
+  uint16_t* x;
+  int8_t* q;
+  float *step, *qsum;
+};
+
+// block_rows' intermediate rows: q|k|v, the residual, gate|up, SwiGLU's product (bfloat16 bits), the rotated queries
+// and the attention's float32 output; each thread's own inputs of the q/k/v, output and gate|up projections (every
+// thread normalizes and rounds whole rows itself: the same values, and no barrier between those steps and the
+// linear layer), and the down projection's inputs, which the threads share (each rounds its own SwiGLU columns)
 struct BlockScratch {
-  Scratch<uint16_t> h, y, o, a, gu, act;
-  Scratch<float> qf, of, step[2], qsum[2];
-  Scratch<int8_t> xq[2];
+  Scratch<uint16_t> y, a, gu, act;
+  Scratch<float> qf, of;
+  std::vector<InputScratch> mine;
+  InputScratch down;
 };
 
 // Where a block pass's threads find the rows (pointers into the calling thread's BlockScratch, taken on that thread)
 struct Rows {
-  uint16_t *h, *y, *o, *a, *gu, *act;
-  float *qf, *of, *step[2], *qsum[2];
-  int8_t* xq[2];
+  uint16_t *y, *a, *gu, *act;
+  float *qf, *of;
+  std::vector<Inputs> mine;  // by thread
+  Inputs down;
 };
 
 // out[i] = bf16(a[i] + b[i]) for n values (n a multiple of 8): torch's bfloat16 add, 8 lanes at a time
@@ -193,15 +208,17 @@ namespace {
 Rows rows_for(const BlockWeights& w, int64_t T) {
   thread_local BlockScratch sc;
   const int64_t d = w.attn_norm.numel(), nq = w.heads * w.head_dim, nqkv = w.qkv.out, inter = w.w2.in;
-  const int64_t K = std::max({d, nq, inter});
-  sc.h.fit(T * d), sc.y.fit(T * nqkv), sc.o.fit(T * nq), sc.a.fit(T * d), sc.gu.fit(T * 2 * inter);
-  sc.act.fit(T * inter), sc.qf.fit(T * nq), sc.of.fit(T * nq);
-  Rows r{sc.h.data(), sc.y.data(), sc.o.data(), sc.a.data(), sc.gu.data(), sc.act.data(), sc.qf.data(), sc.of.data(),
-         {}, {}, {}};
-  for (int i = 0; i < 2; ++i) {
-    sc.xq[i].fit(T * K), sc.step[i].fit(T * K / 32), sc.qsum[i].fit(T * K / 32);
-    r.xq[i] = sc.xq[i].data(), r.step[i] = sc.step[i].data(), r.qsum[i] = sc.qsum[i].data();
-  }
+  const int64_t K = std::max(d, nq);
+  sc.y.fit(T * nqkv), sc.a.fit(T * d), sc.gu.fit(T * 2 * inter), sc.act.fit(T * inter), sc.qf.fit(T * nq);
+  sc.of.fit(T * nq);
+  const auto inputs = [](InputScratch& in, int64_t T, int64_t K) {
+    in.x.fit(T * K), in.q.fit(T * K), in.step.fit(T * K / 32), in.qsum.fit(T * K / 32);
+    return Inputs{in.x.data(), in.q.data(), in.step.data(), in.qsum.data()};
+  };
+  const size_t threads = std::max(1, at::get_num_threads());  // a team has at most this many
+  if (sc.mine.size() < threads) sc.mine.resize(threads);
+  Rows r{sc.y.data(), sc.a.data(), sc.gu.data(), sc.act.data(), sc.qf.data(), sc.of.data(), {}, inputs(sc.down, T, inter)};
+  for (size_t i = 0; i < threads; ++i) r.mine.push_back(inputs(sc.mine[i], T, K));
   return r;
 }
 
@@ -220,17 +237,14 @@ CacheView cache_view(const torch::Tensor& k_cache, const torch::Tensor& v_cache)
           {k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)}};
 }
 
-// RMSNorm of T rows of x (d wide) with weight nw into h, then their int8 inputs for `next` in set s of `rows`: this
-// thread's groups of 32 columns of every row (each thread takes the row's scale itself: the same value)
-void norm_share(const Team& team, const uint16_t* x, const torch::Tensor& nw, float eps, int64_t T, int64_t d,
-                const Linear& next, Loop loop, const Rows& rows, int s) {
-  const auto [g0, g1] = team.share(d / 32);
-  if (g0 >= g1) return;
+// RMSNorm of T rows of x (d wide) with weight nw, then their int8 inputs for `next`, into this thread's own inputs
+void norm_rows(const uint16_t* x, const torch::Tensor& nw, float eps, int64_t T, int64_t d, const Linear& next,
+               Loop loop, const Inputs& in) {
   for (int64_t t = 0; t < T; ++t) {
     const at::BFloat16* row = as_bf16(x + t * d);
-    rms_norm_range(row, nw.data_ptr<at::BFloat16>(), rms_scale(row, d, eps), 32 * g0, 32 * g1, rows.h + t * d);
+    rms_norm_range(row, nw.data_ptr<at::BFloat16>(), rms_scale(row, d, eps), 0, d, in.x + t * d);
   }
-  quantize_groups(as_bf16(rows.h), T, d, g0, g1, offset_inputs(next.bits, loop), rows.xq[s], rows.step[s], rows.qsum[s]);
+  quantize_groups(as_bf16(in.x), T, d, 0, d / 32, offset_inputs(next.bits, loop), in.q, in.step, in.qsum);
 }
 
 // out[c] = bf16(a[c] + out[c]) over columns of output blocks [b0, b1) of T rows n wide: a residual add, this thread's
@@ -249,11 +263,11 @@ void block_rows(const Team& team, const BlockWeights& w, const Rows& r, const ui
   const Loop lqkv = loop_for(w.qkv.bits, T, w.qkv.blocks()), lo = loop_for(w.o.bits, T, w.o.blocks());
   const Loop l13 = loop_for(w.w13.bits, T, w.w13.blocks()), l2 = loop_for(w.w2.bits, T, w.w2.blocks());
 
-  norm_share(team, xp, w.attn_norm, eps, T, d, w.qkv, lqkv, r, 0);
-  team.sync();
+  const Inputs& mine = r.mine[team.id];
+  norm_rows(xp, w.attn_norm, eps, T, d, w.qkv, lqkv, mine);
   {
     const auto [b0, b1] = w.qkv.share(team);
-    w.qkv.run_blocks(lqkv, r.xq[0], r.step[0], r.qsum[0], T, r.y, b0, b1);
+    w.qkv.run_blocks(lqkv, mine.q, mine.step, mine.qsum, T, r.y, b0, b1);
   }
   team.sync();
 
@@ -295,37 +309,33 @@ void block_rows(const Team& team, const BlockWeights& w, const Rows& r, const ui
                     static_cast<float>(std::pow(static_cast<double>(D), -0.5)), u0, u1);
   }
   team.sync();
-  {  // the attention's output [T, H * D] as bfloat16, then the output projection's int8 inputs: this thread's groups
-    const auto [g0, g1] = team.share(nq / 32);
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t i = t * nq + 32 * g0; i < t * nq + 32 * g1; i += 8) store8_bf16(r.o + i, _mm256_loadu_ps(r.of + i));
-    if (g0 < g1) quantize_groups(as_bf16(r.o), T, nq, g0, g1, offset_inputs(w.o.bits, lo), r.xq[1], r.step[1], r.qsum[1]);
-  }
-  team.sync();
-  {  // the output projection and the residual add, this thread's columns
+  {  // the attention's output [T, H * D] as bfloat16 and the output projection's int8 inputs (this thread's own), the
+     // projection and the residual add, this thread's columns
+    for (int64_t i = 0; i < T * nq; i += 8) store8_bf16(mine.x + i, _mm256_loadu_ps(r.of + i));
+    quantize_groups(as_bf16(mine.x), T, nq, 0, nq / 32, offset_inputs(w.o.bits, lo), mine.q, mine.step, mine.qsum);
     const auto [b0, b1] = w.o.share(team);
-    w.o.run_blocks(lo, r.xq[1], r.step[1], r.qsum[1], T, r.a, b0, b1);
+    w.o.run_blocks(lo, mine.q, mine.step, mine.qsum, T, r.a, b0, b1);
     if (b0 < b1) add_blocks(xp, r.a, T, d, b0, b1);
   }
   team.sync();
-  norm_share(team, r.a, w.mlp_norm, eps, T, d, w.w13, l13, r, 0);
-  team.sync();
+  norm_rows(r.a, w.mlp_norm, eps, T, d, w.w13, l13, mine);
   {  // gate and up for this thread's groups of 32 intermediate columns (4 blocks of each: whole pairs), SwiGLU's
      // product there and the down projection's int8 inputs for those groups
     const auto [u0, u1] = team.share(inter / 32);
     const int64_t half = inter / 8;  // up's first block
-    w.w13.run_blocks(l13, r.xq[0], r.step[0], r.qsum[0], T, r.gu, 4 * u0, 4 * u1);
-    w.w13.run_blocks(l13, r.xq[0], r.step[0], r.qsum[0], T, r.gu, half + 4 * u0, half + 4 * u1);
+    w.w13.run_blocks(l13, mine.q, mine.step, mine.qsum, T, r.gu, 4 * u0, 4 * u1);
+    w.w13.run_blocks(l13, mine.q, mine.step, mine.qsum, T, r.gu, half + 4 * u0, half + 4 * u1);
     for (int64_t t = 0; t < T; ++t) {
       const at::BFloat16* g = as_bf16(r.gu + t * 2 * inter);
       silu_mul_range(g, g + inter, 32 * u0, 32 * u1, r.act + t * inter);
     }
-    if (u0 < u1) quantize_groups(as_bf16(r.act), T, inter, u0, u1, offset_inputs(w.w2.bits, l2), r.xq[1], r.step[1], r.qsum[1]);
+    if (u0 < u1)
+      quantize_groups(as_bf16(r.act), T, inter, u0, u1, offset_inputs(w.w2.bits, l2), r.down.q, r.down.step, r.down.qsum);
   }
   team.sync();
   {  // the down projection and the second residual add, this thread's columns
     const auto [b0, b1] = w.w2.share(team);
-    w.w2.run_blocks(l2, r.xq[1], r.step[1], r.qsum[1], T, op, b0, b1);
+    w.w2.run_blocks(l2, r.down.q, r.down.step, r.down.qsum, T, op, b0, b1);
     if (b0 < b1) add_blocks(r.a, op, T, d, b0, b1);
   }
   team.sync();
