@@ -38,14 +38,16 @@ edits = [
     ),
     (
         "    if (size == 1) return;\n    const int phase",
-        "    if (size == 1) return;\n    const double t0 = now_ns();\n    struct Done {\n      int id;\n      double t0;\n"
+        "    if (size == 1) return;\n    const double t0 = now_ns();\n    struct Done {\n      int id;\n"
+        "      double t0;\n"
         "      ~Done() {\n        if (id < 4) wait_ns[id][barrier_no % 6] += now_ns() - t0;\n        ++barrier_no;\n"
         "      }\n    } done{id, t0};\n    const int phase",
     ),
     (
-        'void bind_block(pybind11::module& m) {\n',
+        "void bind_block(pybind11::module& m) {\n",
         'void bind_block(pybind11::module& m) {\n  m.def("wait_ns", [] {\n    std::vector<double> v(&wait_ns[0][0], '
-        "&wait_ns[0][0] + 24);\n    for (auto& row : wait_ns)\n      for (auto& x : row) x = 0;\n    return v;\n  });\n",
+        "&wait_ns[0][0] + 24);\n    for (auto& row : wait_ns)\n      for (auto& x : row) x = 0;\n"
+        "    return v;\n  });\n",
     ),
 ]
 for old, new in edits:
@@ -67,7 +69,7 @@ stack = model.fused_stack()
 assert stack is not None, "no fused stack"
 cache, toks = filled_context(model, ids[0], ctx)
 n = len(model.layers)
-names = ["qkv", "RoPE", "attention", "o + add", "gate|up + SwiGLU", "down"]
+names = ["qkv", "RoPE", "attention", "o + add", "gate/up + SwiGLU", "down"]
 print(f"{engine.kernel}, {threads} threads, context {ctx}, {n} blocks, {repeats} passes each; us a pass")
 print("| rows | thread | layers | " + " | ".join(f"after {x}" for x in names) + " | waited |")
 print("|--:|--:|--:|" + "--:|" * (len(names) + 1))

@@ -30,12 +30,6 @@ using namespace m2r2_avx2;
 
 inline const at::BFloat16* as_bf16(const uint16_t* p) { return reinterpret_cast<const at::BFloat16*>(p); }
 
-// The threads that run a pass's blocks together: one OpenMP region for a whole stack (stack_forward), each thread
-// taking its share of every step, with a barrier where a step reads what another thread wrote. Why: a block of a
-// few rows used to fork and join both threads for each of its linear layers and its attention (~5 regions a block,
-// 150 a pass) and ran its row-wise steps (norms, the int8 inputs, RoPE, SwiGLU's product, the adds) on one thread
-// while the other waited; a barrier costs less than a fork and join, and the row-wise steps split by groups of 32
-// columns. Every value is computed by the same operations as before, whichever thread computes it: the same bits.
 // A barrier for one team's threads that spins (a pause an iteration) instead of going through OpenMP's: the threads
 // are about to run again within microseconds
 struct SpinBarrier {
@@ -43,6 +37,14 @@ struct SpinBarrier {
   alignas(64) std::atomic<int> phase{0};
 };
 
+// The threads that run a pass's blocks together: one OpenMP region for a whole stack (stack_forward), each thread
+// taking its share of every step, with a barrier where a step reads what another thread wrote. Why: a block of a
+// few rows used to fork and join both threads for each of its linear layers and its attention (~5 regions a block,
+// 150 a pass) and ran its row-wise steps (norms, the int8 inputs, RoPE, SwiGLU's product, the adds) on one thread
+// while the other waited. A barrier costs less than a fork and join; RoPE, SwiGLU's product and the adds split
+// between the threads, and each thread normalizes and rounds the rows a linear layer reads itself (no barrier
+// before the layer). Every value is computed by the same operations as before, whichever thread computes it: the
+// same bits. A pass's layers 8-10% faster at one row, 4-5% at 2-4 rows (BENCHMARKS.md, "Thirty-first round").
 struct Team {
   int id = 0, size = 1;
   SpinBarrier* barrier = nullptr;
