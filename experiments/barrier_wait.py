@@ -9,26 +9,16 @@ is the imbalance of the step before it, the smaller of the two about the barrier
     python experiments/barrier_wait.py [THREADS] [CTX] [REPEATS]
 """
 
-import shutil
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import torch
-
-from m2r2 import amx
+from warmed import filled_context, pass_inputs, patched_build, warmed_first_turns
 
 threads = int(sys.argv[1]) if len(sys.argv) > 1 else 2
 ctx = int(sys.argv[2]) if len(sys.argv) > 2 else 250
 repeats = int(sys.argv[3]) if len(sys.argv) > 3 else 200
 
-src = Path(amx.__file__).with_name("csrc_avx2")
-tmp = Path(tempfile.mkdtemp())
-for f in src.iterdir():
-    if f.suffix in (".cpp", ".h"):
-        shutil.copy(f, tmp / f.name)
-block = (tmp / "block_avx2.cpp").read_text()
 edits = [
     (  # counters: [thread][barrier] nanoseconds, and which barrier of the block a thread is at
         "struct Team {\n",
@@ -50,15 +40,8 @@ edits = [
         "    return v;\n  });\n",
     ),
 ]
-for old, new in edits:
-    assert block.count(old) == 1, f"block_avx2.cpp changed: {old[:40]!r}"
-    block = block.replace(old, new)
-(tmp / "block_avx2.cpp").write_text(block)
-ext = amx._build("barrier_wait", sorted(tmp.glob("*.cpp")), sorted(tmp.glob("*.h")), list(amx.AVX2_FLAGS))
-assert ext is not None, "the timed build failed"
-amx.avx2_extension = lambda: ext
+ext = patched_build("barrier_wait", edits)
 
-from warmed import filled_context, pass_inputs, warmed_first_turns  # noqa: E402
 
 engine, ids = warmed_first_turns(1, threads)
 model = engine.model

@@ -16,15 +16,12 @@ splits every step between the threads, so phases are no longer one thread's): ru
 """
 
 import os
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
-
-from m2r2 import amx
+from warmed import filled_context, patched_build, warmed_first_turns
 
 threads = int(sys.argv[1]) if len(sys.argv) > 1 else 2
 blocks = int(sys.argv[2]) if len(sys.argv) > 2 else 10
@@ -33,12 +30,7 @@ contexts = [int(a) for a in sys.argv[3:]] or [250, 500]
 # the timed copy: PH(i) adds the time since the previous mark to phase i (0 q/k/v, 2 attention, 4 output, 5 gate|up,
 # 6 down; the element-wise steps between them: 7 scratch buffers, 8 first norm, 9 RoPE + K/V write, 10 output store,
 # 1 residual add + second norm, 3 SwiGLU's product, 11 last add)
-src = Path(os.environ.get("SRC") or Path(amx.__file__).with_name("csrc_avx2"))
-tmp = Path(tempfile.mkdtemp())
-for f in src.iterdir():
-    if f.suffix in (".cpp", ".h"):
-        shutil.copy(f, tmp / f.name)
-block = (tmp / "block_avx2.cpp").read_text()
+src = Path(os.environ["SRC"]) if os.environ.get("SRC") else None
 edits = [
     (
         "namespace {\n\nusing namespace m2r2_avx2;\n\ninline const at::BFloat16* as_bf16",
@@ -76,16 +68,9 @@ edits = [
         'void bind_block(pybind11::module& m) {\n  m.def("phases", &phases, "phase times (ns), then calls");',
     ),
 ]
-for old, new in edits:
-    assert block.count(old) == 1, f"block_avx2.cpp changed: {old[:40]!r}"
-    block = block.replace(old, new)
-(tmp / "block_avx2.cpp").write_text(block)
-ext = amx._build("phases", sorted(tmp.glob("*.cpp")), sorted(tmp.glob("*.h")), list(amx.AVX2_FLAGS))
-assert ext is not None, "the timed build failed"
-amx.avx2_extension = lambda: ext  # the engine's blocks are made from this build
+ext = patched_build("phases", edits, src)
 
 # after the swap: the engine builds its blocks on load
-from warmed import filled_context, warmed_first_turns  # noqa: E402
 
 engine, ids = warmed_first_turns(2, threads)
 model = engine.model

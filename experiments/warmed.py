@@ -7,12 +7,16 @@ The bundled model unless M2R2_MODEL names another (what ``--model`` takes: ``M2R
 """
 
 import os
+import shutil
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
+from m2r2 import amx
 from m2r2.bench.datasets import load_dataset
 from m2r2.cache import KVCache
 from m2r2.decoding.base import GenerationConfig
@@ -80,3 +84,23 @@ def toggled(run: Callable[[], torch.Tensor], switch: Callable[[bool], object], r
         assert torch.equal(outs[True], outs[False]), "the two paths gave different bits"
     switch(True)
     return statistics.median(times[True]), statistics.median(times[False])
+
+
+def patched_build(name: str, edits: list[tuple[str, str]], src: Path | None = None):
+    """A copy of the ``csrc_avx2/`` sources (or those in ``src``) with text edits to ``block_avx2.cpp`` (each ``old``
+    found exactly once), built as its own extension and put in the engine's place: the engines made after it build
+    their blocks from it. Returns the extension."""
+    src = src or Path(amx.__file__).with_name("csrc_avx2")
+    tmp = Path(tempfile.mkdtemp())
+    for f in src.iterdir():
+        if f.suffix in (".cpp", ".h"):
+            shutil.copy(f, tmp / f.name)
+    block = (tmp / "block_avx2.cpp").read_text()
+    for old, new in edits:
+        assert block.count(old) == 1, f"block_avx2.cpp changed: {old[:40]!r}"
+        block = block.replace(old, new)
+    (tmp / "block_avx2.cpp").write_text(block)
+    ext = amx._build(name, sorted(tmp.glob("*.cpp")), sorted(tmp.glob("*.h")), list(amx.AVX2_FLAGS))
+    assert ext is not None, "the patched build failed"
+    amx.avx2_extension = lambda: ext
+    return ext
