@@ -89,12 +89,13 @@ struct Inputs {
   float *step, *qsum;
 };
 
-// block_rows' intermediate rows: q|k|v, the residual, gate|up, SwiGLU's product (bfloat16 bits), the rotated queries
-// and the attention's float32 output; each thread's own inputs of the q/k/v, output and gate|up projections (every
-// thread normalizes and rounds whole rows itself: the same values, and no barrier between those steps and the
-// linear layer), and the down projection's inputs, which the threads share (each rounds its own SwiGLU columns)
+// block_rows' intermediate rows: q|k|v, the residual, gate|up (bfloat16 bits), the rotated queries and the
+// attention's float32 output; each thread's own inputs of the q/k/v, output and gate|up projections (every thread
+// normalizes and rounds whole rows itself: the same values, and no barrier between those steps and the linear
+// layer), and the down projection's inputs, SwiGLU's product, which the threads share (each computes and rounds its
+// own columns)
 struct BlockScratch {
-  Scratch<uint16_t> y, a, gu, act;
+  Scratch<uint16_t> y, a, gu;
   Scratch<float> qf, of;
   std::vector<InputScratch> mine;
   InputScratch down;
@@ -102,7 +103,7 @@ struct BlockScratch {
 
 // Where a block pass's threads find the rows (pointers into the calling thread's BlockScratch, taken on that thread)
 struct Rows {
-  uint16_t *y, *a, *gu, *act;
+  uint16_t *y, *a, *gu;
   float *qf, *of;
   std::vector<Inputs> mine;  // by thread
   Inputs down;
@@ -126,7 +127,7 @@ struct Linear {
     return {2 * p0, std::min(2 * p1, blocks())};
   }
 
-  // output blocks [b0, b1) of `rows` rows from their int8 inputs (loop: loop_for(bits, rows, blocks())), bias added
+  // output blocks [b0, b1) of `rows` rows from their int8 inputs (loop: loop_for(rows, blocks())), bias added
   void run_blocks(Loop loop, const int8_t* xq, const float* step, const float* qsum, int64_t rows, uint16_t* y,
                   int64_t b0, int64_t b1) const {
     if (b0 >= b1) return;
@@ -211,15 +212,14 @@ Rows rows_for(const BlockWeights& w, int64_t T) {
   thread_local BlockScratch sc;
   const int64_t d = w.attn_norm.numel(), nq = w.heads * w.head_dim, nqkv = w.qkv.out, inter = w.w2.in;
   const int64_t K = std::max(d, nq);
-  sc.y.fit(T * nqkv), sc.a.fit(T * d), sc.gu.fit(T * 2 * inter), sc.act.fit(T * inter), sc.qf.fit(T * nq);
-  sc.of.fit(T * nq);
+  sc.y.fit(T * nqkv), sc.a.fit(T * d), sc.gu.fit(T * 2 * inter), sc.qf.fit(T * nq), sc.of.fit(T * nq);
   const auto inputs = [](InputScratch& in, int64_t T, int64_t K) {
     in.x.fit(T * K), in.q.fit(T * K), in.step.fit(T * K / 32), in.qsum.fit(T * K / 32);
     return Inputs{in.x.data(), in.q.data(), in.step.data(), in.qsum.data()};
   };
   const size_t threads = std::max(1, at::get_num_threads());  // a team has at most this many
   if (sc.mine.size() < threads) sc.mine.resize(threads);
-  Rows r{sc.y.data(), sc.a.data(), sc.gu.data(), sc.act.data(), sc.qf.data(), sc.of.data(), {}, inputs(sc.down, T, inter)};
+  Rows r{sc.y.data(), sc.a.data(), sc.gu.data(), sc.qf.data(), sc.of.data(), {}, inputs(sc.down, T, inter)};
   for (size_t i = 0; i < threads; ++i) r.mine.push_back(inputs(sc.mine[i], T, K));
   return r;
 }
@@ -262,8 +262,8 @@ void block_rows(const Team& team, const BlockWeights& w, const Rows& r, const ui
   const int64_t d = w.attn_norm.numel(), H = w.heads, KVH = w.kv_heads, D = w.head_dim;
   const float eps = static_cast<float>(w.eps);
   const int64_t nq = H * D, nkv = KVH * D, nqkv = nq + 2 * nkv, inter = w.w2.in;
-  const Loop lqkv = loop_for(w.qkv.bits, T, w.qkv.blocks()), lo = loop_for(w.o.bits, T, w.o.blocks());
-  const Loop l13 = loop_for(w.w13.bits, T, w.w13.blocks()), l2 = loop_for(w.w2.bits, T, w.w2.blocks());
+  const Loop lqkv = loop_for(T, w.qkv.blocks()), lo = loop_for(T, w.o.blocks());
+  const Loop l13 = loop_for(T, w.w13.blocks()), l2 = loop_for(T, w.w2.blocks());
 
   const Inputs& mine = r.mine[team.id];
   norm_rows(xp, w.attn_norm, eps, T, d, w.qkv, lqkv, mine);
@@ -329,10 +329,10 @@ void block_rows(const Team& team, const BlockWeights& w, const Rows& r, const ui
     w.w13.run_blocks(l13, mine.q, mine.step, mine.qsum, T, r.gu, half + 4 * u0, half + 4 * u1);
     for (int64_t t = 0; t < T; ++t) {
       const at::BFloat16* g = as_bf16(r.gu + t * 2 * inter);
-      silu_mul_range(g, g + inter, 32 * u0, 32 * u1, r.act + t * inter);
+      silu_mul_range(g, g + inter, 32 * u0, 32 * u1, r.down.x + t * inter);
     }
     if (u0 < u1)
-      quantize_groups(as_bf16(r.act), T, inter, u0, u1, offset_inputs(w.w2.bits, l2), r.down.q, r.down.step, r.down.qsum);
+      quantize_groups(as_bf16(r.down.x), T, inter, u0, u1, offset_inputs(w.w2.bits, l2), r.down.q, r.down.step, r.down.qsum);
   }
   team.sync();
   {  // the down projection and the second residual add, this thread's columns
@@ -351,6 +351,22 @@ void check_cache(const torch::Tensor& k_cache, const torch::Tensor& v_cache, int
               "k_cache, v_cache: [1, KVH, capacity, D], bfloat16 or float32, unit stride in D");
 }
 
+// What a pass over T rows through blocks shaped like w takes (block_forward's arguments): checked before any work
+void check_pass(const BlockWeights& w, const torch::Tensor& x, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                int64_t pos, const torch::Tensor& mask, const torch::Tensor& cos, const torch::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.size(1) == w.attn_norm.numel(),
+              "x: contiguous bfloat16 [T, d]");
+  check_cache(k_cache, v_cache, w.kv_heads, w.head_dim);
+  const int64_t T = x.size(0), cap = k_cache.size(2);
+  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.is_contiguous() && mask.dim() == 2 && mask.size(0) == T &&
+                  mask.size(1) <= cap,
+              "mask: contiguous bool [T, S], S <= capacity");
+  TORCH_CHECK(pos >= 0 && pos + T <= cap, "rows past the cache's capacity");
+  TORCH_CHECK(cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16 && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.size(0) == T && cos.size(1) == w.head_dim && sin.sizes() == cos.sizes(),
+              "cos, sin: contiguous bfloat16 [T, D]");
+}
+
 }  // namespace
 
 // x [T, d] bfloat16 contiguous (the rows' residual stream); k_cache, v_cache [1, KVH, capacity, D] (bfloat16 or
@@ -358,17 +374,8 @@ void check_cache(const torch::Tensor& k_cache, const torch::Tensor& v_cache, int
 // slots 0..S-1; cos, sin [T, D] bfloat16 (sin sign-folded, m2r2.model.apply_rope). Returns the block's output [T, d].
 torch::Tensor block_forward(const BlockWeights& w, torch::Tensor x, torch::Tensor k_cache, torch::Tensor v_cache,
                             int64_t pos, torch::Tensor mask, torch::Tensor cos, torch::Tensor sin) {
-  const int64_t T = x.size(0), d = x.size(1), H = w.heads, KVH = w.kv_heads, D = w.head_dim;
-  const int64_t S = mask.size(1), cap = k_cache.size(2);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && d == w.attn_norm.numel(),
-              "x: contiguous bfloat16 [T, d]");
-  check_cache(k_cache, v_cache, KVH, D);
-  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.is_contiguous() && mask.dim() == 2 && mask.size(0) == T && S <= cap,
-              "mask: contiguous bool [T, S], S <= capacity");
-  TORCH_CHECK(pos >= 0 && pos + T <= cap, "rows past the cache's capacity");
-  TORCH_CHECK(cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16 && cos.is_contiguous() &&
-                  sin.is_contiguous() && cos.size(0) == T && cos.size(1) == D && sin.sizes() == cos.sizes(),
-              "cos, sin: contiguous bfloat16 [T, D]");
+  check_pass(w, x, k_cache, v_cache, pos, mask, cos, sin);
+  const int64_t T = x.size(0), d = x.size(1), S = mask.size(1);
   auto out = torch::empty({T, d}, x.options());
   const Rows rows = rows_for(w, T);
   const CacheView c = cache_view(k_cache, v_cache);
@@ -408,17 +415,8 @@ std::vector<torch::Tensor> stack_forward(const BlockStack& stack, torch::Tensor 
                   k_all.strides() == v_all.strides(),
               "k_all, v_all: [layers, 1, KVH, capacity, D], the same strides");
   const BlockWeights& w0 = stack.blocks[0];
-  const int64_t T = x.size(0), d = x.size(1), S = mask.dim() == 2 ? mask.size(1) : -1;
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && d == w0.attn_norm.numel(),
-              "x: contiguous bfloat16 [T, d]");
-  check_cache(k_all.select(0, 0), v_all.select(0, 0), w0.kv_heads, w0.head_dim);
-  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.is_contiguous() && mask.dim() == 2 && mask.size(0) == T &&
-                  S <= k_all.size(3),
-              "mask: contiguous bool [T, S], S <= capacity");
-  TORCH_CHECK(pos >= 0 && pos + T <= k_all.size(3), "rows past the cache's capacity");
-  TORCH_CHECK(cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16 && cos.is_contiguous() &&
-                  sin.is_contiguous() && cos.size(0) == T && cos.size(1) == w0.head_dim && sin.sizes() == cos.sizes(),
-              "cos, sin: contiguous bfloat16 [T, D]");
+  check_pass(w0, x, k_all.select(0, 0), v_all.select(0, 0), pos, mask, cos, sin);
+  const int64_t T = x.size(0), d = x.size(1), S = mask.size(1);
   for (int64_t i = 0; i < stop; ++i) {
     const BlockWeights& w = stack.blocks[i];
     TORCH_CHECK(w.kv_heads == w0.kv_heads && w.head_dim == w0.head_dim, "blocks of one head shape");

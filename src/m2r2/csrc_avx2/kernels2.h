@@ -49,7 +49,7 @@ void linear_rows(int bits, const at::BFloat16* x, int64_t M, int64_t K, const ui
 // groups [g0, g1) of 32 (x, q rows K apart; step, qsum rows K / 32 apart), and output blocks [b0, b1) (whole pairs:
 // b0 even) from the rows' int8 inputs
 enum class Loop { avx2, vnni, amx };
-Loop loop_for(int bits, int64_t M, int64_t blocks);
+Loop loop_for(int64_t M, int64_t blocks);
 inline bool offset_inputs(int bits, Loop loop) { return bits == 8 && loop == Loop::vnni; }
 void quantize_groups(const at::BFloat16* x, int64_t M, int64_t K, int64_t g0, int64_t g1, bool offset, int8_t* q,
                      float* step, float* qsum);
@@ -108,6 +108,6 @@ void silu_mul_range(const at::BFloat16* gate, const at::BFloat16* up, int64_t c0
 // row t), on the calling thread (the same bits however a pass's vectors are cut)
 void attention_units(const float* q, const void* k, const void* v, bool bf16, const int64_t* kv, const bool* mask,
                      int64_t mb, float* out, int64_t B, int64_t H, int64_t T, int64_t D, int64_t KVH, int64_t S,
-                     float sc, int64_t i0, int64_t i1);
+                     float sc, int64_t u0, int64_t u1);
 
 }  // namespace m2r2_avx2

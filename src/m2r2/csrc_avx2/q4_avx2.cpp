@@ -91,7 +91,7 @@ void linear_rows(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* qp,
   xq_rows.fit(M * K), step_rows.fit(M * G), qsum_rows.fit(M * G);
   int8_t* xq = xq_rows.data();
   float *step = step_rows.data(), *qsum = qsum_rows.data();
-  const Loop loop = loop_for(BITS, M, blocks);
+  const Loop loop = loop_for(M, blocks);
   parallel_rows(M, [&](int64_t r0, int64_t r1) {
     quantize_groups_(x + r0 * K, r1 - r0, K, 0, G, offset_inputs(BITS, loop), xq + r0 * K, step + r0 * G, qsum + r0 * G);
   });
@@ -130,8 +130,7 @@ std::atomic<bool> vnni_on{cpu_has_vnni() && !turned_off("M2R2_NO_VNNI")};
 bool vnni_in_use() { return vnni_on.load(std::memory_order_relaxed); }
 bool set_vnni(bool on) { return vnni_on.exchange(on && cpu_has_vnni()); }
 
-Loop loop_for(int bits, int64_t M, int64_t blocks) {
-  (void)bits;
+Loop loop_for(int64_t M, int64_t blocks) {
   // AMX tiles for passes of amx_min_rows() rows or more, whole pairs of blocks only (every layer of the bundled
   // models); the same integers and bits as the loops (q4_amx_rows.cpp)
   if (M >= amx_min_rows() && blocks % 2 == 0 && amx_rows_in_use()) return Loop::amx;
