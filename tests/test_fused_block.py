@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from m2r2 import amx
 from m2r2 import model as model_mod
+from m2r2.decoding.base import GenerationConfig
 from m2r2.loading import load_model
 from m2r2.model import swiglu
 
@@ -195,18 +196,58 @@ def test_trees_drafted_in_fused_levels_stay_plain_greedy(tiny_model, lookup: int
 
     model, fast = avx2_stream(tiny_model, noise=0.05)
     ext = amx.avx2_extension()
-    calls, original = [], ext.draft_level
+    calls, original = [], ext.draft_tree
     rng = random.Random(lookup)
     try:
-        ext.draft_level = lambda *a: (calls.append(1), original(*a))[1]
+        ext.draft_tree = lambda *a: (calls.append(1), original(*a))[1]
         strat = TreeSpeculative("m2r2", model, fast, [], None, 8, 4, 2, 2, lookup=lookup)
         for _ in range(3):
             prompt = [rng.randrange(320) for _ in range(rng.randint(2, 30))]
             gen = GenerationConfig(max_new_tokens=rng.randint(10, 50))
             assert strat.generate(prompt, gen).tokens == Autoregressive(model, []).generate(prompt, gen).tokens
     finally:
-        ext.draft_level = original
+        ext.draft_tree = original
     assert calls
+
+
+@needs_avx2
+@pytest.mark.parametrize(
+    ("width", "branch", "depth", "nodes", "calib", "cost"),
+    [
+        (2, 2, 5, 8, 1.0, 0.0),
+        (1, 1, 4, 8, 1.0, 0.0),
+        (3, 2, 4, 12, 1.0, 0.0),
+        (2, 4, 3, 6, 1.0, 0.0),
+        (2, 2, 5, 8, 1.3, 0.2),
+        (2, 3, 6, 16, 0.7, 0.05),
+        (4, 4, 2, 3, 1.0, 0.0),
+    ],
+)
+def test_a_tree_grown_in_one_call_is_the_tree_of_its_levels(
+    tiny_model, monkeypatch, width, branch, depth, nodes, calib, cost
+) -> None:
+    """``draft_tree`` (a whole greedy tree in one C++ call) drafts the tree ``TreeSpeculative.draft`` builds from
+    fused levels one by one: the same tokens, parents, depths and path probabilities (the same float32
+    probabilities multiplied in double), the same stopping by depth, size and cost, the same fast K/V in the cache."""
+    from m2r2.decoding.tree import SeededDrafter, TreeCosts, TreeSpeculative
+
+    model, fast = avx2_stream(tiny_model, noise=0.3)
+    costs = TreeCosts(draft=[cost] * 4, verify=[1.0, 1.0]) if cost else None
+    strat = TreeSpeculative("m2r2", model, fast, [], None, nodes, depth, width, branch, costs=costs)
+    gen = GenerationConfig(max_new_tokens=64)
+    trees, caches = [], []
+    for whole in (True, False):
+        if not whole:
+            monkeypatch.setattr(SeededDrafter, "grow", lambda *a, **k: None)
+        with torch.inference_mode():
+            cache = model.new_cache(64)
+            h = model.run_layers(model.embed_tokens(torch.arange(20)[None] % 320), cache, 0)
+            trees.append(strat.draft(h[:, -1:], 5, cache, 40, gen, calib, costs))
+            caches.append((cache.k.clone(), cache.v.clone()))
+    (a, b), ((ka, va), (kb, vb)) = trees, caches
+    assert len(a.tokens) > 2
+    assert (a.tokens, a.parents, a.depths, a.scores) == (b.tokens, b.parents, b.depths, b.scores)
+    assert torch.equal(ka, kb) and torch.equal(va, vb)
 
 
 @needs_avx2
@@ -246,3 +287,43 @@ def test_a_prefill_on_the_fused_blocks_gives_each_row_the_bits_of_short_passes(
     for out, layers, k, v in results[1:]:
         assert torch.equal(out, results[0][0]) and torch.equal(k, results[0][2]) and torch.equal(v, results[0][3])
         assert len(layers) == 3 and all(torch.equal(a, b) for a, b in zip(layers, results[0][1], strict=True))
+
+
+@needs_avx2
+def test_the_kept_stack_follows_any_module_assigned_onto_the_model(tiny_model) -> None:
+    """``fused_stack`` re-reads the blocks' modules only after an assignment onto the model's modules
+    (``Structure``): a replaced linear, norm weight or whole block drops or rebuilds the stack; an unrelated pass
+    keeps it."""
+    d = tiny_model(hidden_size=64, intermediate_size=128, vocab_size=320, layers=3)
+    model = load_model(d, torch.bfloat16, kernel="q4-avx2").model
+    stack = model.fused_stack()
+    assert stack is not None and model.fused_stack() is stack
+    attn = model.layers[1].attn
+    fused_wo = attn.wo
+    attn.wo = torch.nn.Linear(64, 64, bias=False, dtype=torch.bfloat16)  # a linear the fused block cannot run
+    assert model.fused_stack() is None
+    attn.wo = fused_wo
+    again = model.fused_stack()
+    assert again is not None and again is not stack  # rebuilt from the restored modules
+    norm = model.layers[0].mlp_norm
+    norm.weight = torch.nn.Parameter(norm.weight.detach().clone(), requires_grad=False)
+    rebuilt = model.fused_stack()
+    assert rebuilt is not None and rebuilt is not again
+    model.layers[2] = model.layers[0]  # a whole block replaced through the block list
+    assert model.fused_stack() is not rebuilt
+
+
+def test_causal_masks_are_rows_of_a_kept_square_and_follow_the_window(tiny_model) -> None:
+    d = tiny_model(arch="mistral", sliding_window=4)
+    model = load_model(d, torch.float32).model
+    for pos, t, kv_len in [(0, 3, 12), (5, 1, 12), (9, 3, 12), (2, 2, 7), (0, 7, 7)]:
+        q = torch.arange(pos, pos + t)[:, None]
+        k = torch.arange(kv_len)[None, :]
+        want = (k <= q) & (k > q - 4)
+        assert torch.equal(model.causal_mask(pos, t, kv_len), want)
+    model.cfg.sliding_window = None
+    assert torch.equal(model.causal_mask(9, 3, 12), torch.arange(12)[None, :] <= torch.arange(9, 12)[:, None])
+    big = model_mod.CAUSAL_KEPT_MAX + 8  # past the kept size: built for the rows asked only
+    assert torch.equal(
+        model.causal_mask(big - 2, 2, big)[:, -3:], torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool)
+    )

@@ -21,6 +21,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -447,6 +448,95 @@ std::vector<torch::Tensor> stack_forward(const BlockStack& stack, torch::Tensor 
   return all;
 }
 
+// What one draft level reads besides its rows: the fast block, the fuse ([h | e] -> d), the draft head (the final
+// RMSNorm's weight, the draft-vocabulary rows of the LM head), the embedding and RoPE tables, the fast layer's
+// cache.
+struct LevelParts {
+  const BlockWeights& w;
+  const Linear &fuse, &head;
+  torch::Tensor norm_w;
+  float eps;
+  torch::Tensor embed, rope_cos, rope_sin;
+  CacheView cache;
+  int64_t capacity, verified;
+
+  LevelParts(const BlockWeights& w_, const Linear& fuse_, const Linear& head_, torch::Tensor norm, double eps_,
+             torch::Tensor embed_, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
+             int64_t verified_, int64_t k)
+      : w(w_), fuse(fuse_), head(head_), norm_w(norm), eps(static_cast<float>(eps_)), embed(embed_), rope_cos(cos),
+        rope_sin(sin), cache(cache_view(k_cache, v_cache)), capacity(k_cache.size(2)), verified(verified_) {
+    const int64_t d = w.attn_norm.numel();
+    check_cache(k_cache, v_cache, w.kv_heads, w.head_dim);
+    TORCH_CHECK(fuse.in == 2 * d && fuse.out == d && head.in == d && k >= 1 && k <= head.out, "fuse: 2d -> d, head: d -> V");
+    TORCH_CHECK(embed.dim() == 2 && embed.size(1) == d && embed.scalar_type() == at::kBFloat16 && embed.is_contiguous(),
+                "embed: contiguous bfloat16 [vocab, d]");
+    TORCH_CHECK(rope_cos.scalar_type() == at::kBFloat16 && rope_sin.scalar_type() == at::kBFloat16 &&
+                    rope_cos.is_contiguous() && rope_sin.is_contiguous() && rope_cos.size(1) == w.head_dim,
+                "rope tables: contiguous bfloat16 [positions, D]");
+    TORCH_CHECK(norm_w.scalar_type() == at::kBFloat16 && norm_w.is_contiguous() && norm_w.numel() == d,
+                "norm weight: contiguous bfloat16 [d]");
+    TORCH_CHECK(verified >= 0, "verified must be >= 0");
+  }
+
+  // n nodes (seeds [n, d] bfloat16 rows, their tokens and RoPE positions, fast_mask [n, drafted + n] over the
+  // earlier draft rows and their own) after `drafted` draft rows: their fast states into fp [n, d] (their K/V written
+  // at verified + drafted + i), and each one's k best draft-vocabulary indices and probabilities (softmax over the
+  // draft vocabulary; lower index first on ties)
+  void run(const uint16_t* seeds, const int64_t* tokens, const int64_t* positions, const bool* fast_mask,
+           int64_t n, int64_t drafted, int64_t k, uint16_t* fp, int64_t* ids, float* probs) const {
+    const int64_t d = w.attn_norm.numel(), D = w.head_dim, V = head.out;
+    const int64_t at = verified + drafted, S = at + n;
+    TORCH_CHECK(drafted >= 0 && S <= capacity, "draft rows past the cache's capacity");
+    const auto* ep = reinterpret_cast<const uint16_t*>(embed.data_ptr<at::BFloat16>());
+    std::vector<uint16_t> x(n * 2 * d), f0(n * d), cs(n * D), sn(n * D), hn(n * d), logits(n * V);
+    std::vector<char> mask(n * S);
+    for (int64_t i = 0; i < n; ++i) {
+      TORCH_CHECK(tokens[i] >= 0 && tokens[i] < embed.size(0) && positions[i] >= 0 && positions[i] < rope_cos.size(0),
+                  "token or position");
+      std::memcpy(x.data() + i * 2 * d, seeds + i * d, d * 2);
+      std::memcpy(x.data() + i * 2 * d + d, ep + tokens[i] * d, d * 2);
+      std::memcpy(cs.data() + i * D, reinterpret_cast<const uint16_t*>(rope_cos.data_ptr<at::BFloat16>()) + positions[i] * D, D * 2);
+      std::memcpy(sn.data() + i * D, reinterpret_cast<const uint16_t*>(rope_sin.data_ptr<at::BFloat16>()) + positions[i] * D, D * 2);
+      std::memset(mask.data() + i * S, 1, verified);
+      std::memcpy(mask.data() + i * S + verified, fast_mask + i * (drafted + n), drafted + n);
+    }
+    fuse.run(x.data(), n, f0.data());
+    const Rows rows = rows_for(w, n);
+    in_team([&](const Team& team) {
+      block_rows(team, w, rows, f0.data(), n, cache, at, reinterpret_cast<const bool*>(mask.data()), S, cs.data(),
+                 sn.data(), fp);
+    });
+    rms_norm_rows(as_bf16(fp), norm_w.data_ptr<at::BFloat16>(), n, d, eps, hn.data());
+    head.run(hn.data(), n, logits.data());
+    std::vector<float> l(V + 8);
+    for (int64_t i = 0; i < n; ++i) {
+      const at::BFloat16* row = as_bf16(logits.data() + i * V);
+      std::fill(l.begin(), l.end(), -INFINITY);
+      for (int64_t j = 0; j < V; ++j) l[j] = static_cast<float>(row[j]);
+      float mx = -INFINITY;
+      for (int64_t j = 0; j < V; ++j) mx = std::max(mx, l[j]);
+      __m256 tot8 = _mm256_setzero_ps();
+      for (int64_t j = 0; j < V; j += 8)
+        tot8 = _mm256_add_ps(tot8, exp8(_mm256_sub_ps(_mm256_loadu_ps(l.data() + j), _mm256_set1_ps(mx))));
+      const float tot = hsum(tot8);
+      std::vector<int64_t> best;
+      for (int64_t j = 0; j < V; ++j) {
+        if (static_cast<int64_t>(best.size()) == k && l[j] <= l[best.back()]) continue;
+        auto pos = best.begin();
+        while (pos != best.end() && l[*pos] >= l[j]) ++pos;
+        best.insert(pos, j);
+        if (static_cast<int64_t>(best.size()) > k) best.pop_back();
+      }
+      for (int64_t j = 0; j < k; ++j) {
+        ids[i * k + j] = best[j];
+        alignas(32) float e[8] = {l[best[j]] - mx};
+        _mm256_store_ps(e, exp8(_mm256_load_ps(e)));
+        probs[i * k + j] = e[0] / tot;
+      }
+    }
+  }
+};
+
 // One greedy draft level of a seeded fast stream whose one fast layer is a full (merged) block: node i is seeded
 // by its parent's fast state fused with its token's embedding (`fuse`: [h | e] -> d), runs the block at RoPE
 // position positions[i] over the slow cache 0..verified-1 and the fast K/V of earlier draft rows
@@ -460,79 +550,106 @@ std::vector<torch::Tensor> draft_level(const BlockWeights& w, const Linear& fuse
                                        torch::Tensor positions, torch::Tensor rope_cos, torch::Tensor rope_sin,
                                        torch::Tensor k_cache, torch::Tensor v_cache, int64_t verified, int64_t drafted,
                                        torch::Tensor fast_mask, int64_t k) {
-  const int64_t n = seeds.size(0), d = w.attn_norm.numel(), D = w.head_dim, V = head.out;
-  check_cache(k_cache, v_cache, w.kv_heads, D);
+  const LevelParts parts(w, fuse, head, norm_w, eps, embed, rope_cos, rope_sin, k_cache, v_cache, verified, k);
+  const int64_t n = seeds.size(0), d = w.attn_norm.numel();
   TORCH_CHECK(seeds.dim() == 2 && seeds.size(1) == d && seeds.scalar_type() == at::kBFloat16 && seeds.is_contiguous(),
               "seeds: contiguous bfloat16 [n, d]");
-  TORCH_CHECK(fuse.in == 2 * d && fuse.out == d && head.in == d && k >= 1 && k <= V, "fuse: 2d -> d, head: d -> V");
-  TORCH_CHECK(embed.dim() == 2 && embed.size(1) == d && embed.scalar_type() == at::kBFloat16 && embed.is_contiguous(),
-              "embed: contiguous bfloat16 [vocab, d]");
   TORCH_CHECK(tokens.scalar_type() == at::kLong && positions.scalar_type() == at::kLong && tokens.numel() == n &&
                   positions.numel() == n && tokens.is_contiguous() && positions.is_contiguous(),
               "tokens, positions: contiguous int64 [n]");
-  TORCH_CHECK(rope_cos.scalar_type() == at::kBFloat16 && rope_sin.scalar_type() == at::kBFloat16 &&
-                  rope_cos.is_contiguous() && rope_sin.is_contiguous() && rope_cos.size(1) == D,
-              "rope tables: contiguous bfloat16 [positions, D]");
   TORCH_CHECK(fast_mask.scalar_type() == at::kBool && fast_mask.is_contiguous() && fast_mask.size(0) == n &&
                   fast_mask.size(1) == drafted + n,
               "fast_mask: contiguous bool [n, drafted + n]");
-  const int64_t at = verified + drafted, S = at + n;
-  TORCH_CHECK(verified >= 0 && drafted >= 0 && S <= k_cache.size(2), "draft rows past the cache's capacity");
-  const auto* tp = tokens.data_ptr<int64_t>();
-  const auto* pp = positions.data_ptr<int64_t>();
-  const auto* ep = reinterpret_cast<const uint16_t*>(embed.data_ptr<at::BFloat16>());
-  const auto* sp = reinterpret_cast<const uint16_t*>(seeds.data_ptr<at::BFloat16>());
-  std::vector<uint16_t> x(n * 2 * d), f0(n * d), cs(n * D), sn(n * D), hn(n * d), logits(n * V);
-  std::vector<char> mask(n * S);
-  for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK(tp[i] >= 0 && tp[i] < embed.size(0) && pp[i] >= 0 && pp[i] < rope_cos.size(0), "token or position");
-    std::memcpy(x.data() + i * 2 * d, sp + i * d, d * 2);
-    std::memcpy(x.data() + i * 2 * d + d, ep + tp[i] * d, d * 2);
-    std::memcpy(cs.data() + i * D, reinterpret_cast<const uint16_t*>(rope_cos.data_ptr<at::BFloat16>()) + pp[i] * D, D * 2);
-    std::memcpy(sn.data() + i * D, reinterpret_cast<const uint16_t*>(rope_sin.data_ptr<at::BFloat16>()) + pp[i] * D, D * 2);
-    std::memset(mask.data() + i * S, 1, verified);
-    std::memcpy(mask.data() + i * S + verified, fast_mask.data_ptr<bool>() + i * (drafted + n), drafted + n);
-  }
-  fuse.run(x.data(), n, f0.data());
   auto states = torch::empty({n, d}, seeds.options());
-  auto* fp = reinterpret_cast<uint16_t*>(states.data_ptr<at::BFloat16>());
-  const Rows rows = rows_for(w, n);
-  const CacheView c = cache_view(k_cache, v_cache);
-  in_team([&](const Team& team) {
-    block_rows(team, w, rows, f0.data(), n, c, at, reinterpret_cast<const bool*>(mask.data()), S, cs.data(), sn.data(), fp);
-  });
-  rms_norm_rows(as_bf16(fp), norm_w.data_ptr<at::BFloat16>(), n, d, static_cast<float>(eps), hn.data());
-  head.run(hn.data(), n, logits.data());
   auto ids = torch::empty({n, k}, tokens.options());
   auto probs = torch::empty({n, k}, seeds.options().dtype(at::kFloat));
-  auto ia = ids.accessor<int64_t, 2>();
-  auto pa = probs.accessor<float, 2>();
-  for (int64_t i = 0; i < n; ++i) {  // softmax over the draft vocabulary, the k largest (lower index first on ties)
-    const at::BFloat16* row = as_bf16(logits.data() + i * V);
-    std::vector<float> l(V + 8, -INFINITY);
-    for (int64_t j = 0; j < V; ++j) l[j] = static_cast<float>(row[j]);
-    float mx = -INFINITY;
-    for (int64_t j = 0; j < V; ++j) mx = std::max(mx, l[j]);
-    __m256 tot8 = _mm256_setzero_ps();
-    for (int64_t j = 0; j < V; j += 8)
-      tot8 = _mm256_add_ps(tot8, exp8(_mm256_sub_ps(_mm256_loadu_ps(l.data() + j), _mm256_set1_ps(mx))));
-    const float tot = hsum(tot8);
-    std::vector<int64_t> best;
-    for (int64_t j = 0; j < V; ++j) {
-      if (static_cast<int64_t>(best.size()) == k && l[j] <= l[best.back()]) continue;
-      auto pos = best.begin();
-      while (pos != best.end() && l[*pos] >= l[j]) ++pos;
-      best.insert(pos, j);
-      if (static_cast<int64_t>(best.size()) > k) best.pop_back();
-    }
-    for (int64_t j = 0; j < k; ++j) {
-      ia[i][j] = best[j];
-      alignas(32) float e[8] = {l[best[j]] - mx};
-      _mm256_store_ps(e, exp8(_mm256_load_ps(e)));
-      pa[i][j] = e[0] / tot;
-    }
-  }
+  parts.run(reinterpret_cast<const uint16_t*>(seeds.data_ptr<at::BFloat16>()), tokens.data_ptr<int64_t>(),
+            positions.data_ptr<int64_t>(), fast_mask.data_ptr<bool>(), n, drafted, k,
+            reinterpret_cast<uint16_t*>(states.data_ptr<at::BFloat16>()), ids.data_ptr<int64_t>(), probs.data_ptr<float>());
   return {states, ids, probs};
+}
+
+// A whole greedy draft tree in one call: TreeSpeculative.draft's loop over draft_level's levels (m2r2.decoding.tree),
+// with the same numbers in the same order. Node 0 is the root (root_token, seeded by h_last [d], the final slow state
+// of the last verified position, at depth 0); each level runs its open nodes, gives each `branch` children (draft
+// tokens through `vocab` [V] int64 where it is given, else the indices; path probability = parent's * own, in double
+// as Python multiplies), sorts that level's children by path probability (stable: frontier order, then rank), keeps
+// them all and opens the first `width`. It stops after depth_cap levels, when the tree has max_total drafted nodes
+// or more, or (level_cost > 0) when calib times the best open node's path probability is below level_cost. Why:
+// a level's Python (the mask, the seeds, the tensors to and from the C++ level, the candidates) took ~100 us beside
+// the level's ~165 us of kernels on a fast 2-vCPU Xeon, and the cost model prices levels by the wall clock.
+// Returns the drafted nodes' tokens, parents and path probabilities in creation order (the root not included).
+std::tuple<std::vector<int64_t>, std::vector<int64_t>, std::vector<double>> draft_tree(
+    const BlockWeights& w, const Linear& fuse, const Linear& head, torch::Tensor norm_w, double eps, torch::Tensor embed,
+    torch::Tensor vocab, torch::Tensor h_last, int64_t root_token, torch::Tensor rope_cos, torch::Tensor rope_sin,
+    torch::Tensor k_cache, torch::Tensor v_cache, int64_t verified, int64_t depth_cap, int64_t width, int64_t branch,
+    int64_t max_total, double calib, double level_cost) {
+  const LevelParts parts(w, fuse, head, norm_w, eps, embed, rope_cos, rope_sin, k_cache, v_cache, verified, branch);
+  const int64_t d = w.attn_norm.numel();
+  TORCH_CHECK(h_last.numel() == d && h_last.scalar_type() == at::kBFloat16 && h_last.is_contiguous(),
+              "h_last: contiguous bfloat16 [d]");
+  TORCH_CHECK(!vocab.defined() || vocab.numel() == 0 ||
+                  (vocab.scalar_type() == at::kLong && vocab.is_contiguous() && vocab.numel() == head.out),
+              "vocab: contiguous int64 [draft vocabulary] or empty");
+  TORCH_CHECK(width >= 1 && branch >= 1 && depth_cap >= 0, "width, branch >= 1; depth_cap >= 0");
+  const int64_t* vp = vocab.defined() && vocab.numel() ? vocab.data_ptr<int64_t>() : nullptr;
+  std::vector<int64_t> tokens{root_token}, parents{-1}, depths{0};
+  std::vector<double> scores{1.0};
+  std::vector<std::vector<uint16_t>> state(1);  // node -> its fast state (the seed of its children)
+  const auto* hp = reinterpret_cast<const uint16_t*>(h_last.data_ptr<at::BFloat16>());
+  std::vector<uint16_t> root_seed(hp, hp + d);
+  std::vector<int64_t> kv_rows, frontier{0};  // the tree node of each fast K/V row so far; the open nodes
+  for (int64_t level = 0; level < depth_cap; ++level) {
+    const int64_t n = static_cast<int64_t>(frontier.size()), drafted = static_cast<int64_t>(kv_rows.size());
+    std::vector<int64_t> rows(kv_rows);
+    rows.insert(rows.end(), frontier.begin(), frontier.end());
+    std::vector<char> vis(n * (drafted + n), 0);  // an open node sees itself and its ancestors among the rows
+    std::vector<uint16_t> seeds(n * d);
+    std::vector<int64_t> toks(n), pos(n);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t r = frontier[i];
+      for (int64_t a = r; a >= 0; a = parents[a]) {
+        const auto at = std::find(rows.begin(), rows.end(), a);
+        if (at != rows.end()) vis[i * (drafted + n) + (at - rows.begin())] = 1;
+      }
+      const int64_t p = parents[r];
+      std::memcpy(seeds.data() + i * d, p < 0 ? root_seed.data() : state[p].data(), d * 2);
+      toks[i] = tokens[r];
+      pos[i] = verified + depths[r];
+    }
+    std::vector<uint16_t> f(n * d);
+    std::vector<int64_t> ids(n * branch);
+    std::vector<float> probs(n * branch);
+    parts.run(seeds.data(), toks.data(), pos.data(), reinterpret_cast<const bool*>(vis.data()), n, drafted, branch,
+              f.data(), ids.data(), probs.data());
+    kv_rows = rows;
+    for (int64_t i = 0; i < n; ++i) state[frontier[i]].assign(f.data() + i * d, f.data() + (i + 1) * d);
+    struct Cand {
+      double score;
+      int64_t token, parent;
+    };
+    std::vector<Cand> cands;
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = 0; j < branch; ++j) {
+        const int64_t idx = ids[i * branch + j];
+        cands.push_back({scores[frontier[i]] * static_cast<double>(probs[i * branch + j]), vp ? vp[idx] : idx, frontier[i]});
+      }
+    std::stable_sort(cands.begin(), cands.end(), [](const Cand& a, const Cand& b) { return a.score > b.score; });
+    std::vector<int64_t> fresh;
+    for (const Cand& c : cands) {
+      tokens.push_back(c.token);
+      parents.push_back(c.parent);
+      depths.push_back(depths[c.parent] + 1);
+      scores.push_back(c.score);
+      state.emplace_back();
+      fresh.push_back(static_cast<int64_t>(tokens.size()) - 1);
+    }
+    frontier.assign(fresh.begin(), fresh.begin() + std::min<int64_t>(width, fresh.size()));
+    if (frontier.empty() || static_cast<int64_t>(tokens.size()) - 1 >= max_total) break;
+    if (level_cost > 0 && calib * scores[frontier[0]] < level_cost) break;
+  }
+  return {std::vector<int64_t>(tokens.begin() + 1, tokens.end()), std::vector<int64_t>(parents.begin() + 1, parents.end()),
+          std::vector<double>(scores.begin() + 1, scores.end())};
 }
 
 void bind_block(pybind11::module& m) {
@@ -545,4 +662,5 @@ void bind_block(pybind11::module& m) {
   pybind11::class_<Linear>(m, "PackedLinearWeights", pybind11::module_local());
   m.def("make_linear", &make_linear, "a packed linear layer's weights for draft_level");
   m.def("draft_level", &draft_level, "one greedy draft level of a one-layer seeded fast stream");
+  m.def("draft_tree", &draft_tree, "a greedy draft tree of a one-layer seeded fast stream, its levels in one call");
 }

@@ -26,6 +26,7 @@ another model.
 
 from __future__ import annotations
 
+import array
 import json
 from pathlib import Path
 
@@ -51,6 +52,8 @@ ORDERS = (4, 3, 2)
 #: a follower's share of what followed its n-gram is stored in 8 bits (k / 255)
 SHARE_STEPS = 255
 MASK64 = (1 << 64) - 1
+#: a key's bucket is the top bits of key * HASH modulo 2^64 (Fibonacci hashing)
+HASH = 0x9E3779B97F4A7C15
 
 
 class AnswerStore:
@@ -60,17 +63,35 @@ class AnswerStore:
     Why arrays and not a dict: a store that also holds the corpus's responses keeps ~1.3M n-grams; as
     Python tuples that is ~450 MB and 2 s to load, as arrays 13 MB and no time. A lookup packs the
     n-gram into a 64-bit key (16 bits a token: exact below 65,536 ids; wider ids wrap, and the row is
-    compared before it is used) and binary-searches the sorted keys."""
+    compared before it is used) and reads its bucket: the rows sorted by a hash of the key, ``starts``
+    where each of ~n/2 buckets begins. In generation a binary search over the sorted keys (17 probes
+    into a megabyte the model's weights had just pushed out of the caches) took 11 us a lookup and a
+    proposal ~6 lookups, 2% of a round on a fast 2-vCPU Xeon; a bucket is 2-3 reads."""
 
     def __init__(self, grams: dict[int, np.ndarray], nxt: dict[int, np.ndarray], share: dict[int, np.ndarray]) -> None:
-        self.grams, self.next, self.share, self.keys = {}, {}, {}, {}
+        self.grams, self.next, self.share, self.keys, self.starts, self.shift = {}, {}, {}, {}, {}, {}
         for n in ORDERS:
             g = np.asarray(grams.get(n, np.zeros((0, n))), dtype=np.int64).reshape(-1, n)
             keys = _keys(g)
-            order = np.argsort(keys, kind="stable")
+            bits = max(1, len(keys).bit_length() - 1)  # about two rows a bucket
+            self.shift[n] = 64 - bits
+            bucket = (keys * np.uint64(HASH)) >> np.uint64(self.shift[n])  # the product wraps modulo 2^64
+            order = np.lexsort((keys, bucket))
             self.grams[n], self.keys[n] = g[order], keys[order]
+            self.starts[n] = np.searchsorted(bucket[order], np.arange((1 << bits) + 1, dtype=np.uint64))
             self.next[n] = np.asarray(nxt.get(n, np.zeros(0)), dtype=np.int64)[order]
             self.share[n] = np.asarray(share.get(n, np.zeros(0)), dtype=np.uint8)[order]
+        # what a lookup reads, as flat arrays whose items come out as Python ints (a numpy scalar costs ~0.5 us)
+        self._lookup = {
+            n: (
+                array.array("Q", self.keys[n].tobytes()),
+                array.array("q", self.starts[n].astype(np.int64).tobytes()),
+                array.array("q", self.next[n].tobytes()),
+                self.share[n].tobytes(),
+                bool(((self.grams[n] >= 0) & (self.grams[n] < 1 << 16)).all()),  # every key exact: no rows to compare
+            )
+            for n in ORDERS
+        }
 
     @classmethod
     def build(cls, answers: list[list[int]], min_count: int = 2) -> AnswerStore:
@@ -120,17 +141,17 @@ class AnswerStore:
     def get(self, gram: tuple[int, ...]) -> tuple[int, float] | None:
         """The kept follower of ``gram`` and its share, or None."""
         n = len(gram)
-        keys = self.keys.get(n)
-        if keys is None or not len(keys):
+        if n not in self._lookup:
             return None
+        keys, starts, nxt, share, exact = self._lookup[n]
         key = 0
         for t in gram:
             key = ((key << 16) + t) & MASK64
-        i = int(np.searchsorted(keys, np.uint64(key)))
-        while i < len(keys) and int(keys[i]) == key:
-            if tuple(self.grams[n][i].tolist()) == tuple(gram):
-                return int(self.next[n][i]), int(self.share[n][i]) / SHARE_STEPS
-            i += 1
+            exact = exact and 0 <= t < 1 << 16
+        b = ((key * HASH) & MASK64) >> self.shift[n]
+        for i in range(starts[b], starts[b + 1]):
+            if keys[i] == key and (exact or tuple(self.grams[n][i].tolist()) == tuple(gram)):
+                return nxt[i], share[i] / SHARE_STEPS
         return None
 
     def entries(self) -> dict[tuple[int, ...], tuple[int, float]]:

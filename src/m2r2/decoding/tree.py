@@ -323,6 +323,40 @@ class SeededDrafter:
         self.seeds.update(zip(frontier, f, strict=True))
         return f, top
 
+    def grow(
+        self,
+        h_last: Tensor,
+        tok: int,
+        cache: KVCache,
+        verified: int,
+        depth_cap: int,
+        width: int,
+        branch: int,
+        max_total: int,
+        calib: float = 1.0,
+        level_cost: float = 0.0,
+    ) -> Tree | None:
+        """The whole greedy tree under ``tok`` in one C++ call (:meth:`SeededFastStream.draft_tree_fused`), or None
+        where that does not apply (then :meth:`TreeSpeculative.draft` runs the levels one by one through
+        :meth:`top`: the same tree)."""
+        if self.taps:
+            return None
+        d = self.fast.base.cfg.hidden_size
+        grown = self.fast.draft_tree_fused(
+            h_last.reshape(-1)[:d], tok, cache, verified, depth_cap, width, branch, max_total, calib, level_cost
+        )
+        if grown is None:
+            return None
+        tokens, parents, scores = grown
+        tree = Tree([tok], [-1], [0], [1.0], [None])
+        for t, p, score in zip(tokens, parents, scores, strict=True):
+            tree.tokens.append(t)
+            tree.parents.append(p)
+            tree.depths.append(tree.depths[p] + 1)
+            tree.scores.append(score)
+            tree.probs.append(None)
+        return tree
+
     def top(self, tree: Tree, frontier: list[int], k: int) -> tuple[Tensor, Tensor]:
         f, top = self._level(tree, frontier, k)
         return top if top is not None else self.fast.draft_top(f, k)
@@ -407,6 +441,14 @@ class TreeSpeculative:
         # a seeded drafter keeps each level's fast K/V in the cache's free slots: 1 + width per later level
         free = cache.max_len - cache.length
         depth_cap = min(self.max_depth, room, self.drafter.max_levels, 1 + (free - 1) // width)
+        grow = getattr(self.drafter, "grow", None)
+        if greedy and grow is not None:  # the whole tree in one C++ call where the drafter has one
+            level_cost = self._level_cost(costs) if costs is not None else 0.0
+            grown = grow(
+                h_last, tok, cache, cache.length, depth_cap, width, branch, self.max_nodes * 2, calib, level_cost
+            )
+            if grown is not None:
+                return grown
         tree = Tree([tok], [-1], [0], [1.0], [None])
         self.drafter.start(h_last, cache, cache.length)
         frontier = [0]
@@ -799,7 +841,9 @@ def _is_chain(tree: Tree, rows: list[int]) -> bool:
 
 def measure_tree_costs(model: Transformer, drafter: TreeDrafter, k_max: int, repeats: int = 15) -> TreeCosts:
     """Time a drafter's start, its levels over 1..4 open nodes and greedy slow passes (certified head
-    argmax, as a greedy verify runs) over 1..k_max+1 rows at a 128-token context.
+    argmax, as a greedy verify runs) over 1..k_max+1 rows at a 128-token context. A drafter that grows a
+    whole tree in one call (``grow``) is timed that way: a level over r open nodes is a two-level tree whose
+    second level has r, less a one-level tree; its start is that one-level tree less one level.
 
     Interleaved rounds, minimum kept (so a burst of other load cannot make one look cheap). A level
     is timed after a start (its K/V restart there) and the start's own time is taken off. Fifteen
@@ -812,15 +856,23 @@ def measure_tree_costs(model: Transformer, drafter: TreeDrafter, k_max: int, rep
     dev = model.device
     ids = torch.arange(ctx, device=dev)[None] % model.cfg.vocab_size
     h = torch.zeros(1, 1, model.cfg.hidden_size, dtype=model.dtype, device=dev)
-    calls = [lambda: drafter.start(h, cache, ctx)]
-    for r in range(1, 5):
-        tree = Tree([1] * r, [-1] * r, [0] * r, [1.0] * r)  # r open nodes drafted from the seed
+    grow = getattr(drafter, "grow", None)
+    with torch.inference_mode():
+        whole = grow is not None and grow(h, 1, cache, ctx, 1, 2, 2, 64) is not None
+    if whole:  # a tree in one call: a first level of 1 node, then trees whose second level has r open nodes
+        assert grow is not None
+        calls = [lambda: grow(h, 1, cache, ctx, 1, 2, 2, 64)]
+        calls += [lambda r=r: grow(h, 1, cache, ctx, 2, r, max(2, r), 64) for r in range(1, 5)]
+    else:
+        calls = [lambda: drafter.start(h, cache, ctx)]
+        for r in range(1, 5):
+            tree = Tree([1] * r, [-1] * r, [0] * r, [1.0] * r)  # r open nodes drafted from the seed
 
-        def level(tree=tree, r=r) -> None:
-            drafter.start(h, cache, ctx)
-            drafter.top(tree, list(range(r)), 2)
+            def level(tree=tree, r=r) -> None:
+                drafter.start(h, cache, ctx)
+                drafter.top(tree, list(range(r)), 2)
 
-        calls.append(level)
+            calls.append(level)
     for k in range(1, k_max + 2):
         block = torch.ones(1, k, dtype=torch.long, device=dev)
         calls.append(lambda block=block: head_argmax(model, model.run_layers(model.embed_tokens(block), cache, ctx)))
@@ -835,7 +887,10 @@ def measure_tree_costs(model: Transformer, drafter: TreeDrafter, k_max: int, rep
                 f()
                 best[i] = min(best[i], time.perf_counter() - t)
     start = best[0]
-    return TreeCosts(draft=[max(b - start, 1e-6) for b in best[1:5]], verify=best[5:], start=start)
+    draft = [max(b - start, 1e-6) for b in best[1:5]]
+    if whole:  # the first call's time less its one level: what a tree costs besides its levels
+        start = max(start - draft[0], 0.0)
+    return TreeCosts(draft=draft, verify=best[5:], start=start)
 
 
 def _tree_costs(raw: dict[str, object]) -> TreeCosts:

@@ -494,5 +494,53 @@ class SeededFastStream(DraftHead, nn.Module):
         ids = idx if self.draft_vocab is None else self.draft_vocab[idx]
         return states, ids, probs
 
+    def draft_tree_fused(
+        self,
+        h_last: Tensor,
+        root: int,
+        cache: KVCache,
+        verified: int,
+        depth_cap: int,
+        width: int,
+        branch: int,
+        max_total: int,
+        calib: float = 1.0,
+        level_cost: float = 0.0,
+    ) -> tuple[list[int], list[int], list[float]] | None:
+        """A greedy draft tree under ``root`` in one C++ call where :meth:`fused_level` applies (else None): the
+        drafted nodes' tokens, parents and path probabilities in creation order, node 0 being ``root`` seeded by
+        ``h_last`` (``[d]``). What :meth:`m2r2.decoding.tree.TreeSpeculative.draft` builds level by level with
+        :meth:`draft_top_fused` (the same levels, candidates and stopping rule: ``csrc_avx2/block_avx2.cpp``
+        ``draft_tree``), without a level's Python; the fast K/V go to the cache's free slots as there."""
+        if (
+            not m2r2.model.FUSED_BLOCKS
+            or torch.is_grad_enabled()
+            or cache.k.shape[1] != 1
+            or (level := self.fused_level()) is None
+        ):
+            return None
+        base, layer = self.base, self.cfg.layers[0]
+        vocab = self.draft_vocab if self.draft_vocab is not None else torch.empty(0, dtype=torch.long)
+        return amx.avx2_extension().draft_tree(  # type: ignore[union-attr]
+            *level,
+            base.norm.weight,
+            base.norm.eps,
+            base.embed.weight,
+            vocab,
+            h_last.reshape(-1).contiguous(),
+            root,
+            base.rope_cos,
+            base.rope_sin,
+            cache.k[layer],
+            cache.v[layer],
+            verified,
+            depth_cap,
+            width,
+            branch,
+            max_total,
+            calib,
+            level_cost,
+        )
+
     def exit_probability(self, states: list[Tensor]) -> Tensor:
         return torch.sigmoid(self.arla(states, self.cfg.depth))
