@@ -327,3 +327,24 @@ def test_causal_masks_are_rows_of_a_kept_square_and_follow_the_window(tiny_model
     assert torch.equal(
         model.causal_mask(big - 2, 2, big)[:, -3:], torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool)
     )
+
+
+@needs_avx2
+def test_a_drafter_that_grows_whole_trees_is_timed_by_whole_trees(tiny_model, monkeypatch) -> None:
+    """``measure_tree_costs`` times a drafter with ``grow`` by whole trees after a slow pass (levels: the slope to
+    trees of ``DEEP`` levels) and every other drafter by its levels: either way four positive level costs, a start
+    and one slow pass per row count."""
+    from m2r2.decoding import tree as tree_mod
+    from m2r2.decoding.tree import SeededDrafter, measure_tree_costs
+
+    model, fast = avx2_stream(tiny_model)
+    grown = []
+    original = SeededDrafter.grow
+    monkeypatch.setattr(SeededDrafter, "grow", lambda self, *a: (grown.append(a[4]), original(self, *a))[1])
+    costs = measure_tree_costs(model, SeededDrafter(fast), 4, repeats=2)
+    assert set(grown) == {1, tree_mod.DEEP}  # trees of one and DEEP levels, nothing level by level
+    assert len(costs.draft) == 4 and min(costs.draft) > 0 and costs.start >= 0 and len(costs.verify) == 5
+    monkeypatch.setattr(SeededDrafter, "grow", lambda self, *a: None)
+    grown.clear()
+    level_by_level = measure_tree_costs(model, SeededDrafter(fast), 4, repeats=2)
+    assert not grown and len(level_by_level.draft) == 4 and min(level_by_level.draft) > 0

@@ -37,6 +37,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -839,11 +840,17 @@ def _is_chain(tree: Tree, rows: list[int]) -> bool:
     return all(tree.parents[r] == rows[i] for i, r in enumerate(rows[1:]))
 
 
+#: the depth of the deepest trees that :func:`measure_tree_costs` times for a drafter that grows whole trees
+DEEP = 4
+
+
 def measure_tree_costs(model: Transformer, drafter: TreeDrafter, k_max: int, repeats: int = 15) -> TreeCosts:
     """Time a drafter's start, its levels over 1..4 open nodes and greedy slow passes (certified head
     argmax, as a greedy verify runs) over 1..k_max+1 rows at a 128-token context. A drafter that grows a
-    whole tree in one call (``grow``) is timed that way: a level over r open nodes is a two-level tree whose
-    second level has r, less a one-level tree; its start is that one-level tree less one level.
+    whole tree in one call (``grow``) is timed that way, each tree right after a one-row slow pass as in
+    generation: a level over r open nodes is the slope from one-level trees to trees of ``DEEP`` levels whose
+    later levels have r; its start is a one-level tree less one level (what a tree's first level pays for
+    its weights coming from further away, and the call).
 
     Interleaved rounds, minimum kept (so a burst of other load cannot make one look cheap). A level
     is timed after a start (its K/V restart there) and the start's own time is taken off. Fifteen
@@ -856,15 +863,33 @@ def measure_tree_costs(model: Transformer, drafter: TreeDrafter, k_max: int, rep
     dev = model.device
     ids = torch.arange(ctx, device=dev)[None] % model.cfg.vocab_size
     h = torch.zeros(1, 1, model.cfg.hidden_size, dtype=model.dtype, device=dev)
+    one = torch.ones(1, 1, dtype=torch.long, device=dev)
+
+    def timed(f: Callable[[], object], after_pass: bool = False) -> Callable[[], float]:
+        """``f``'s seconds, after a one-row slow pass when ``after_pass`` (a draft follows a verify pass, which
+        leaves the drafter's weights out of the nearer caches)."""
+
+        def run() -> float:
+            if after_pass:
+                head_argmax(model, model.run_layers(model.embed_tokens(one), cache, ctx))
+            t = time.perf_counter()
+            f()
+            return time.perf_counter() - t
+
+        return run
+
     grow = getattr(drafter, "grow", None)
+    tree_cache = model.new_cache(ctx + 4 * DEEP + 2)  # room for the fast K/V of the deepest trees timed
     with torch.inference_mode():
-        whole = grow is not None and grow(h, 1, cache, ctx, 1, 2, 2, 64) is not None
-    if whole:  # a tree in one call: a first level of 1 node, then trees whose second level has r open nodes
+        whole = grow is not None and grow(h, 1, tree_cache, ctx, 1, 2, 2, 64) is not None
+    if whole:  # trees in one call, of 1 and DEEP levels whose later levels have r open nodes
         assert grow is not None
-        calls = [lambda: grow(h, 1, cache, ctx, 1, 2, 2, 64)]
-        calls += [lambda r=r: grow(h, 1, cache, ctx, 2, r, max(2, r), 64) for r in range(1, 5)]
+        shapes = [(depth, r) for depth in (1, DEEP) for r in range(1, 5)]
+        calls = [
+            timed(lambda d=d, r=r: grow(h, 1, tree_cache, ctx, d, r, max(2, r), 64), after_pass=True) for d, r in shapes
+        ]
     else:
-        calls = [lambda: drafter.start(h, cache, ctx)]
+        calls = [timed(lambda: drafter.start(h, cache, ctx))]
         for r in range(1, 5):
             tree = Tree([1] * r, [-1] * r, [0] * r, [1.0] * r)  # r open nodes drafted from the seed
 
@@ -872,25 +897,28 @@ def measure_tree_costs(model: Transformer, drafter: TreeDrafter, k_max: int, rep
                 drafter.start(h, cache, ctx)
                 drafter.top(tree, list(range(r)), 2)
 
-            calls.append(level)
+            calls.append(timed(level))
+    drafting = len(calls)
     for k in range(1, k_max + 2):
         block = torch.ones(1, k, dtype=torch.long, device=dev)
-        calls.append(lambda block=block: head_argmax(model, model.run_layers(model.embed_tokens(block), cache, ctx)))
+        calls.append(
+            timed(lambda block=block: head_argmax(model, model.run_layers(model.embed_tokens(block), cache, ctx)))
+        )
     best = [math.inf] * len(calls)
     with torch.inference_mode():
         model(ids, cache, 0, last_only=True)
+        model(ids, tree_cache, 0, last_only=True)
         for f in calls:
             f()
         for _ in range(repeats):
             for i, f in enumerate(calls):
-                t = time.perf_counter()
-                f()
-                best[i] = min(best[i], time.perf_counter() - t)
+                best[i] = min(best[i], f())
+    if whole:  # a level: the slope from 1 to DEEP levels; the start: a one-level tree of width 2 less its level
+        draft = [max((best[4 + i] - best[i]) / (DEEP - 1), 1e-6) for i in range(4)]
+        return TreeCosts(draft=draft, verify=best[drafting:], start=max(best[1] - draft[1], 0.0))
     start = best[0]
     draft = [max(b - start, 1e-6) for b in best[1:5]]
-    if whole:  # the first call's time less its one level: what a tree costs besides its levels
-        start = max(start - draft[0], 0.0)
-    return TreeCosts(draft=draft, verify=best[5:], start=start)
+    return TreeCosts(draft=draft, verify=best[drafting:], start=start)
 
 
 def _tree_costs(raw: dict[str, object]) -> TreeCosts:
