@@ -340,7 +340,7 @@ def test_a_drafter_that_grows_whole_trees_is_timed_by_whole_trees(tiny_model, mo
     model, fast = avx2_stream(tiny_model)
     grown = []
     original = SeededDrafter.grow
-    monkeypatch.setattr(SeededDrafter, "grow", lambda self, *a: (grown.append(a[4]), original(self, *a))[1])
+    monkeypatch.setattr(SeededDrafter, "grow", lambda self, *a: (grown.append(a[4].depth), original(self, *a))[1])
     costs = measure_tree_costs(model, SeededDrafter(fast), 4, repeats=2)
     assert set(grown) == {1, tree_mod.DEEP}  # trees of one and DEEP levels, nothing level by level
     assert len(costs.draft) == 4 and min(costs.draft) > 0 and costs.start >= 0 and len(costs.verify) == 5

@@ -60,7 +60,7 @@ from m2r2.decoding.lookup import LookupStats, NgramIndex
 from m2r2.errors import SettingsError
 from m2r2.kernels import head_argmax
 from m2r2.model import ROW_INVARIANT_MAX_ROWS, Transformer
-from m2r2.multirate.seeded import SeededFastStream
+from m2r2.multirate.seeded import SeededFastStream, TreeLimits
 
 if TYPE_CHECKING:
     from torch import nn
@@ -324,28 +324,14 @@ class SeededDrafter:
         self.seeds.update(zip(frontier, f, strict=True))
         return f, top
 
-    def grow(
-        self,
-        h_last: Tensor,
-        tok: int,
-        cache: KVCache,
-        verified: int,
-        depth_cap: int,
-        width: int,
-        branch: int,
-        max_total: int,
-        calib: float = 1.0,
-        level_cost: float = 0.0,
-    ) -> Tree | None:
+    def grow(self, h_last: Tensor, tok: int, cache: KVCache, verified: int, limits: TreeLimits) -> Tree | None:
         """The whole greedy tree under ``tok`` in one C++ call (:meth:`SeededFastStream.draft_tree_fused`), or None
         where that does not apply (then :meth:`TreeSpeculative.draft` runs the levels one by one through
         :meth:`top`: the same tree)."""
         if self.taps:
             return None
         d = self.fast.base.cfg.hidden_size
-        grown = self.fast.draft_tree_fused(
-            h_last.reshape(-1)[:d], tok, cache, verified, depth_cap, width, branch, max_total, calib, level_cost
-        )
+        grown = self.fast.draft_tree_fused(h_last.reshape(-1)[:d], tok, cache, verified, limits)
         if grown is None:
             return None
         tokens, parents, scores = grown
@@ -445,9 +431,8 @@ class TreeSpeculative:
         grow = getattr(self.drafter, "grow", None)
         if greedy and grow is not None:  # the whole tree in one C++ call where the drafter has one
             level_cost = self._level_cost(costs) if costs is not None else 0.0
-            grown = grow(
-                h_last, tok, cache, cache.length, depth_cap, width, branch, self.max_nodes * 2, calib, level_cost
-            )
+            limits = TreeLimits(depth_cap, width, branch, self.max_nodes * 2, calib, level_cost)
+            grown = grow(h_last, tok, cache, cache.length, limits)
             if grown is not None:
                 return grown
         tree = Tree([tok], [-1], [0], [1.0], [None])
@@ -881,13 +866,11 @@ def measure_tree_costs(model: Transformer, drafter: TreeDrafter, k_max: int, rep
     grow = getattr(drafter, "grow", None)
     tree_cache = model.new_cache(ctx + 4 * DEEP + 2)  # room for the fast K/V of the deepest trees timed
     with torch.inference_mode():
-        whole = grow is not None and grow(h, 1, tree_cache, ctx, 1, 2, 2, 64) is not None
+        whole = grow is not None and grow(h, 1, tree_cache, ctx, TreeLimits(1, 2, 2, 64)) is not None
     if whole:  # trees in one call, of 1 and DEEP levels whose later levels have r open nodes
         assert grow is not None
-        shapes = [(depth, r) for depth in (1, DEEP) for r in range(1, 5)]
-        calls = [
-            timed(lambda d=d, r=r: grow(h, 1, tree_cache, ctx, d, r, max(2, r), 64), after_pass=True) for d, r in shapes
-        ]
+        limits = [TreeLimits(d, r, max(2, r), 64) for d in (1, DEEP) for r in range(1, 5)]
+        calls = [timed(lambda lim=lim: grow(h, 1, tree_cache, ctx, lim), after_pass=True) for lim in limits]
     else:
         calls = [timed(lambda: drafter.start(h, cache, ctx))]
         for r in range(1, 5):

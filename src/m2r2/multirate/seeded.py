@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -158,6 +158,20 @@ def chained_attention(q: Tensor, slow: tuple[Tensor, Tensor], fast: list[tuple[T
     for j, v in enumerate(extra_v):
         out = out + p[..., t + j : t + j + 1] * v
     return out
+
+
+class TreeLimits(NamedTuple):
+    """How far a greedy draft tree grows (``TreeSpeculative.draft``'s rules): at most ``depth`` levels, each opening
+    its ``width`` most probable new nodes and giving each open node ``branch`` children; it stops once it holds
+    ``max_total`` drafted nodes, or (``level_cost`` > 0) once ``calib`` times its best open node's path probability is
+    below ``level_cost``."""
+
+    depth: int
+    width: int
+    branch: int
+    max_total: int
+    calib: float = 1.0
+    level_cost: float = 0.0
 
 
 class DraftHead:
@@ -495,23 +509,14 @@ class SeededFastStream(DraftHead, nn.Module):
         return states, ids, probs
 
     def draft_tree_fused(
-        self,
-        h_last: Tensor,
-        root: int,
-        cache: KVCache,
-        verified: int,
-        depth_cap: int,
-        width: int,
-        branch: int,
-        max_total: int,
-        calib: float = 1.0,
-        level_cost: float = 0.0,
+        self, h_last: Tensor, root: int, cache: KVCache, verified: int, limits: TreeLimits
     ) -> tuple[list[int], list[int], list[float]] | None:
-        """A greedy draft tree under ``root`` in one C++ call where :meth:`fused_level` applies (else None): the
-        drafted nodes' tokens, parents and path probabilities in creation order, node 0 being ``root`` seeded by
-        ``h_last`` (``[d]``). What :meth:`m2r2.decoding.tree.TreeSpeculative.draft` builds level by level with
-        :meth:`draft_top_fused` (the same levels, candidates and stopping rule: ``csrc_avx2/block_avx2.cpp``
-        ``draft_tree``), without a level's Python; the fast K/V go to the cache's free slots as there."""
+        """A greedy draft tree under ``root`` within ``limits`` in one C++ call where :meth:`fused_level` applies
+        (else None): the drafted nodes' tokens, parents and path probabilities in creation order, node 0 being
+        ``root`` seeded by ``h_last`` (``[d]``). What :meth:`m2r2.decoding.tree.TreeSpeculative.draft` builds level
+        by level with :meth:`draft_top_fused` (the same levels, candidates and stopping rule:
+        ``csrc_avx2/block_avx2.cpp`` ``draft_tree``), without a level's Python; the fast K/V go to the cache's free
+        slots as there."""
         if (
             not m2r2.model.FUSED_BLOCKS
             or torch.is_grad_enabled()
@@ -534,12 +539,7 @@ class SeededFastStream(DraftHead, nn.Module):
             cache.k[layer],
             cache.v[layer],
             verified,
-            depth_cap,
-            width,
-            branch,
-            max_total,
-            calib,
-            level_cost,
+            *limits,
         )
 
     def exit_probability(self, states: list[Tensor]) -> Tensor:
