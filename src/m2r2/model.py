@@ -44,13 +44,13 @@ class Tracked(nn.Module):
     """A module whose assignments of modules, parameters and tensors move :class:`Structure`'s count."""
 
     def __setattr__(self, name: str, value: object) -> None:
-        if isinstance(value, nn.Module | Tensor):
-            Structure.version += 1
         super().__setattr__(name, value)
+        if isinstance(value, nn.Module | Tensor):  # counted once it is in place: a check that sees the count sees it
+            Structure.version += 1
 
     def __delattr__(self, name: str) -> None:
-        Structure.version += 1
         super().__delattr__(name)
+        Structure.version += 1
 
 
 class Blocks(Tracked, nn.ModuleList):
