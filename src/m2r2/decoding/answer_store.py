@@ -69,29 +69,26 @@ class AnswerStore:
     proposal ~6 lookups, 2% of a round on a fast 2-vCPU Xeon; a bucket is 2-3 reads."""
 
     def __init__(self, grams: dict[int, np.ndarray], nxt: dict[int, np.ndarray], share: dict[int, np.ndarray]) -> None:
-        self.grams, self.next, self.share, self.keys, self.starts, self.shift = {}, {}, {}, {}, {}, {}
+        self.grams, self.next, self.share, self._lookup = {}, {}, {}, {}
         for n in ORDERS:
             g = np.asarray(grams.get(n, np.zeros((0, n))), dtype=np.int64).reshape(-1, n)
             keys = _keys(g)
             bits = max(1, len(keys).bit_length() - 1)  # about two rows a bucket
-            self.shift[n] = 64 - bits
-            bucket = (keys * np.uint64(HASH)) >> np.uint64(self.shift[n])  # the product wraps modulo 2^64
+            bucket = (keys * np.uint64(HASH)) >> np.uint64(64 - bits)  # the product wraps modulo 2^64
             order = np.lexsort((keys, bucket))
-            self.grams[n], self.keys[n] = g[order], keys[order]
-            self.starts[n] = np.searchsorted(bucket[order], np.arange((1 << bits) + 1, dtype=np.uint64))
+            self.grams[n] = g[order]
             self.next[n] = np.asarray(nxt.get(n, np.zeros(0)), dtype=np.int64)[order]
             self.share[n] = np.asarray(share.get(n, np.zeros(0)), dtype=np.uint8)[order]
-        # what a lookup reads, as flat arrays whose items come out as Python ints (a numpy scalar costs ~0.5 us)
-        self._lookup = {
-            n: (
-                array.array("Q", self.keys[n].tobytes()),
-                array.array("q", self.starts[n].astype(np.int64).tobytes()),
+            starts = np.searchsorted(bucket[order], np.arange((1 << bits) + 1, dtype=np.uint64)).astype(np.int64)
+            # what a lookup reads, as flat arrays whose items come out as Python ints (a numpy scalar costs ~0.5 us)
+            self._lookup[n] = (
+                64 - bits,
+                array.array("Q", keys[order].tobytes()),
+                array.array("q", starts.tobytes()),
                 array.array("q", self.next[n].tobytes()),
                 self.share[n].tobytes(),
-                bool(((self.grams[n] >= 0) & (self.grams[n] < 1 << 16)).all()),  # every key exact: no rows to compare
+                bool(((g >= 0) & (g < 1 << 16)).all()),  # every key exact: no rows to compare
             )
-            for n in ORDERS
-        }
 
     @classmethod
     def build(cls, answers: list[list[int]], min_count: int = 2) -> AnswerStore:
@@ -136,19 +133,19 @@ class AnswerStore:
         return AnswerStore(grams, nxt, share)
 
     def __len__(self) -> int:
-        return sum(len(k) for k in self.keys.values())
+        return sum(len(g) for g in self.grams.values())
 
     def get(self, gram: tuple[int, ...]) -> tuple[int, float] | None:
         """The kept follower of ``gram`` and its share, or None."""
         n = len(gram)
         if n not in self._lookup:
             return None
-        keys, starts, nxt, share, exact = self._lookup[n]
+        shift, keys, starts, nxt, share, exact = self._lookup[n]
         key = 0
         for t in gram:
             key = ((key << 16) + t) & MASK64
             exact = exact and 0 <= t < 1 << 16
-        b = ((key * HASH) & MASK64) >> self.shift[n]
+        b = ((key * HASH) & MASK64) >> shift
         for i in range(starts[b], starts[b + 1]):
             if keys[i] == key and (exact or tuple(self.grams[n][i].tolist()) == tuple(gram)):
                 return nxt[i], share[i] / SHARE_STEPS
@@ -247,7 +244,7 @@ def read_answers(paths: list[Path]) -> list[list[int]]:
 
 
 def save_answer_store(path: Path, store: AnswerStore, fingerprint: str, **info: object) -> Path:
-    sizes = {str(n): len(k) for n, k in store.keys.items()}
+    sizes = {str(n): len(g) for n, g in store.grams.items()}
     return weightfile.save(
         path, store.to_tensors(), KIND, fingerprint, VERSION, {"orders": list(ORDERS)}, entries=sizes, **info
     )

@@ -101,6 +101,16 @@ class Tree:
         parent = self.scores[self.parents[r]]
         return self.scores[r] / parent if parent > 0 else 0.0
 
+    def add(self, token: int, parent: int, score: float, probs: Tensor | None = None) -> int:
+        """A new node under ``parent`` (its path probability ``score``; ``probs``: its draft distribution when
+        sampling); returns its index."""
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.depths.append(self.depths[parent] + 1)
+        self.scores.append(score)
+        self.probs.append(probs)
+        return len(self.tokens) - 1
+
     def add_copies(self, tokens: list[int], probs: list[float]) -> list[int]:
         """Merge a copied chain (prompt lookup's or the answer store's) under the root: shared prefixes
         reuse drafted or copied nodes (a node copied twice keeps the higher probability). Returns the
@@ -109,12 +119,7 @@ class Tree:
         for t, p in zip(tokens, probs, strict=True):
             kid = next((i for i, q in enumerate(self.parents) if q == r and self.tokens[i] == t), None)
             if kid is None:
-                self.tokens.append(t)
-                self.parents.append(r)
-                self.depths.append(self.depths[r] + 1)
-                self.scores.append(0.0)
-                self.probs.append(None)
-                kid = len(self.tokens) - 1
+                kid = self.add(t, r, 0.0)
             self.copy_probs[kid] = max(p, self.copy_probs.get(kid, 0.0))
             nodes.append(kid)
             r = kid
@@ -330,18 +335,14 @@ class SeededDrafter:
         :meth:`top`: the same tree)."""
         if self.taps:
             return None
-        d = self.fast.base.cfg.hidden_size
-        grown = self.fast.draft_tree_fused(h_last.reshape(-1)[:d], tok, cache, verified, limits)
+        grown = self.fast.draft_tree_fused(
+            h_last.reshape(-1)[: self.fast.base.cfg.hidden_size], tok, cache, verified, limits
+        )
         if grown is None:
             return None
-        tokens, parents, scores = grown
         tree = Tree([tok], [-1], [0], [1.0], [None])
-        for t, p, score in zip(tokens, parents, scores, strict=True):
-            tree.tokens.append(t)
-            tree.parents.append(p)
-            tree.depths.append(tree.depths[p] + 1)
-            tree.scores.append(score)
-            tree.probs.append(None)
+        for t, p, score in zip(*grown, strict=True):
+            tree.add(t, p, score)
         return tree
 
     def top(self, tree: Tree, frontier: list[int], k: int) -> tuple[Tensor, Tensor]:
@@ -453,14 +454,7 @@ class TreeSpeculative:
                     t = int(torch.multinomial(q[i], 1, generator=self._rng))
                     cands.append((tree.scores[r] * float(q[i, t]), i, t, r))
             cands.sort(key=lambda c: -c[0])
-            new = []
-            for score, i, t, r in cands:
-                tree.tokens.append(t)
-                tree.parents.append(r)
-                tree.depths.append(tree.depths[r] + 1)
-                tree.scores.append(score)
-                tree.probs.append(None if greedy else q[i])
-                new.append(len(tree.tokens) - 1)
+            new = [tree.add(t, r, score, None if greedy else q[i]) for score, i, t, r in cands]
             frontier = new[:width]
             if not frontier or len(tree.tokens) - 1 >= self.max_nodes * 2:
                 break

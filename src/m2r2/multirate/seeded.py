@@ -477,29 +477,21 @@ class SeededFastStream(DraftHead, nn.Module):
         """:meth:`step` then :meth:`draft_top` for ``n`` nodes in one C++ call where :meth:`fused_level` applies
         (seeds ``[n, d]``; else None): the fast states ``[n, d]``, the ``k`` best token ids and their draft
         probabilities ``[n, k]``. Same kernels and fast K/V as :meth:`step`; the softmax's exp is the C++ one."""
-        n = len(tokens)
-        if (
-            not m2r2.model.FUSED_BLOCKS
-            or torch.is_grad_enabled()
-            or cache.k.shape[1] != 1
-            or verified + drafted + n > cache.max_len
-            or (level := self.fused_level()) is None
-        ):
+        if verified + drafted + len(tokens) > cache.max_len or (parts := self._level_parts(cache)) is None:
             return None
-        base, layer = self.base, self.cfg.layers[0]
-        ext = amx.avx2_extension()
-        states, idx, probs = ext.draft_level(  # type: ignore[union-attr]
+        level, (norm_w, eps, embed, cos, sin, k_cache, v_cache) = parts
+        states, idx, probs = amx.avx2_extension().draft_level(  # type: ignore[union-attr]
             *level,
-            base.norm.weight,
-            base.norm.eps,
-            base.embed.weight,
+            norm_w,
+            eps,
+            embed,
             seeds.contiguous(),
             torch.tensor(tokens),
             torch.tensor(positions),
-            base.rope_cos,
-            base.rope_sin,
-            cache.k[layer],
-            cache.v[layer],
+            cos,
+            sin,
+            k_cache,
+            v_cache,
             verified,
             drafted,
             fast_mask.contiguous(),
@@ -517,6 +509,18 @@ class SeededFastStream(DraftHead, nn.Module):
         by level with :meth:`draft_top_fused` (the same levels, candidates and stopping rule:
         ``csrc_avx2/block_avx2.cpp`` ``draft_tree``), without a level's Python; the fast K/V go to the cache's free
         slots as there."""
+        if (parts := self._level_parts(cache)) is None:
+            return None
+        level, (norm_w, eps, embed, cos, sin, k_cache, v_cache) = parts
+        vocab = self.draft_vocab if self.draft_vocab is not None else torch.empty(0, dtype=torch.long)
+        return amx.avx2_extension().draft_tree(  # type: ignore[union-attr]
+            *level, norm_w, eps, embed, vocab, h_last.contiguous(), root, cos, sin, k_cache, v_cache, verified, *limits
+        )
+
+    def _level_parts(self, cache: KVCache) -> tuple[tuple[object, object, object], tuple] | None:
+        """What the C++ draft calls read besides their rows, where they apply to this inference pass over ``cache``
+        (else None): :meth:`fused_level`'s weights, then the final norm's weight and eps, the embedding, the RoPE
+        tables and the fast layer's K/V cache."""
         if (
             not m2r2.model.FUSED_BLOCKS
             or torch.is_grad_enabled()
@@ -525,21 +529,14 @@ class SeededFastStream(DraftHead, nn.Module):
         ):
             return None
         base, layer = self.base, self.cfg.layers[0]
-        vocab = self.draft_vocab if self.draft_vocab is not None else torch.empty(0, dtype=torch.long)
-        return amx.avx2_extension().draft_tree(  # type: ignore[union-attr]
-            *level,
+        return level, (
             base.norm.weight,
             base.norm.eps,
             base.embed.weight,
-            vocab,
-            h_last.reshape(-1).contiguous(),
-            root,
             base.rope_cos,
             base.rope_sin,
             cache.k[layer],
             cache.v[layer],
-            verified,
-            *limits,
         )
 
     def exit_probability(self, states: list[Tensor]) -> Tensor:
