@@ -142,9 +142,9 @@ def test_swiglu_rounds_as_torch_does() -> None:
     assert torch.equal(swiglu(x), F.silu(x.chunk(2, -1)[0]) * x.chunk(2, -1)[1])
 
 
-def avx2_stream(tiny_model, noise: float = 0.1):
+def avx2_stream(tiny_model, noise: float = 0.1, head_bits: int | None = None):
     """A tiny model on the AVX2 kernels and a folded one-layer seeded stream over its last layer with a
-    draft vocabulary (the shipped stream's shape)."""
+    draft vocabulary (the shipped stream's shape; ``head_bits=4``: its draft head in 4-bit blocks)."""
     from m2r2.multirate.seeded import SeededConfig, SeededFastStream
 
     d = tiny_model(hidden_size=64, intermediate_size=128, vocab_size=320, layers=3)
@@ -155,7 +155,7 @@ def avx2_stream(tiny_model, noise: float = 0.1):
         for p in fast.parameters():
             p.add_(torch.randn(p.shape, generator=g) * noise)
     fast.draft_vocab = torch.arange(0, 320, 2)
-    return model, fast.freeze(merge=True)
+    return model, fast.freeze(merge=True, head_bits=head_bits)
 
 
 @needs_avx2
@@ -187,14 +187,18 @@ def test_a_fused_draft_level_is_the_per_op_level(tiny_model, monkeypatch) -> Non
 
 @needs_avx2
 @pytest.mark.parametrize("lookup", [0, 4])
-def test_trees_drafted_in_fused_levels_stay_plain_greedy(tiny_model, lookup: int) -> None:
+@pytest.mark.parametrize("head_bits", [8, 4])  # 4: the draft head in 4-bit blocks (m2r2's default)
+def test_trees_drafted_in_fused_levels_stay_plain_greedy(tiny_model, lookup: int, head_bits: int) -> None:
     import random
 
     from m2r2.decoding.autoregressive import Autoregressive
     from m2r2.decoding.base import GenerationConfig
     from m2r2.decoding.tree import TreeSpeculative
+    from m2r2.kernels import AmxInt4Linear, AmxInt8Linear
 
-    model, fast = avx2_stream(tiny_model, noise=0.05)
+    model, fast = avx2_stream(tiny_model, noise=0.05, head_bits=head_bits)
+    assert type(fast.sub_head) is (AmxInt4Linear if head_bits == 4 else AmxInt8Linear)
+    assert fast.fused_level() is not None
     ext = amx.avx2_extension()
     calls, original = [], ext.draft_tree
     rng = random.Random(lookup)

@@ -363,6 +363,22 @@ def test_real_model_bf16_m2r2_with_prompt_lookup_is_lossless(real_engine_bf16):
     assert out.stats["copied_accepted_per_token"] > 0
 
 
+@pytest.mark.slow
+def test_real_model_m2r2_with_a_4_or_8_bit_draft_head_is_lossless(real_engine_bf16):
+    """The draft head's width (``head_bits``, 4 by default) changes the drafts, never the answer; other widths
+    are refused by name before anything loads."""
+    from m2r2.tokenizer import messages_for
+
+    e = real_engine_bf16
+    gen = GenerationConfig(max_new_tokens=40)
+    ids = e.tokenizer.encode_chat(messages_for("Name three rivers in Europe and say where each one starts."))
+    ref = e.generate_ids(ids, "vanilla", gen).tokens
+    for bits in (4, 8):
+        assert e.generate_ids(ids, "m2r2", gen, head_bits=bits).tokens == ref
+    with pytest.raises(ValueError, match="head_bits"):
+        e.generate_ids(ids, "m2r2", gen, head_bits=3)
+
+
 def test_cost_cache_reuses_fresh_measurements_and_remeasures_bad_ones(tmp_path, monkeypatch) -> None:
     """Measured draft/verify costs are kept per machine and drafter shape; stale or damaged ones are redone."""
     import json

@@ -442,8 +442,10 @@ def dense_weight(lin: nn.Module) -> Tensor:
     return y.t().contiguous()
 
 
-def linear_like(lin: nn.Module, weight: Tensor) -> nn.Module:
-    """A frozen linear layer applying ``weight`` (float ``[out, in]``) with the same kernel as ``lin``."""
+def linear_like(lin: nn.Module, weight: Tensor, bits: int | None = None) -> nn.Module:
+    """A frozen linear layer applying ``weight`` (float ``[out, in]``) with the same kernel as ``lin``; ``bits=4``
+    takes that kernel's 4-bit blocks where ``lin`` is a C++ 8-bit one (a draft head: half the bytes a draft reads,
+    its drafts only a little blurred; the verify pass never reads it)."""
     bias = getattr(lin, "bias", None)
     plain = nn.Linear(
         weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device, dtype=_activation_dtype(lin)
@@ -454,7 +456,8 @@ def linear_like(lin: nn.Module, weight: Tensor) -> nn.Module:
             plain.bias.copy_(bias)
     plain.requires_grad_(False)
     if isinstance(lin, _AmxLinear):
-        return type(lin)(plain, weight.float(), products=lin.products)
+        kind = AmxInt4Linear if bits == 4 else type(lin)
+        return kind(plain, weight.float(), products=lin.products)
     if isinstance(lin, Int4Linear):
         return type(lin)(plain, weight.float())
     if isinstance(lin, PackedLinear):

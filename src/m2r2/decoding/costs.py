@@ -134,6 +134,7 @@ def cost_cache_path(engine: Loaded, fast: nn.Module, k_max: int) -> Path:
         "adapters": getattr(fast, "use_adapters", True),
         "folded": getattr(fast, "merged", None) is not None,
         "draft_vocab": 0 if fast.sub_head is None or fast.draft_vocab is None else len(fast.draft_vocab),
+        "draft_head": type(fast.sub_head).__name__,
         "k_max": k_max,
     }
     key = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]

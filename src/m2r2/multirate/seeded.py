@@ -193,11 +193,13 @@ class DraftHead:
         w = self.base.lm_head.weight if isinstance(self.base.lm_head, nn.Linear) else dense_weight(self.base.lm_head)
         return w if self.draft_vocab is None else w[self.draft_vocab.to(w.device)]
 
-    def build_draft_head(self) -> None:
+    def build_draft_head(self, bits: int | None = None) -> None:
+        """``sub_head``: the draft vocabulary's rows of the LM head with its kernel (``bits=4``: that kernel's
+        4-bit blocks, :func:`m2r2.kernels.linear_like`)."""
         head = self.base.lm_head
         w = dense_weight(head)
         rows = w if self.draft_vocab is None else w[self.draft_vocab.to(w.device)]
-        object.__setattr__(self, "sub_head", linear_like(head, rows))
+        object.__setattr__(self, "sub_head", linear_like(head, rows, bits))
 
     def vocab_logits(self, f: Tensor) -> Tensor:
         """``W . Norm(f)`` over the draft vocabulary only (``[..., len(draft_vocab)]``, float32)."""
@@ -365,9 +367,10 @@ class SeededFastStream(DraftHead, nn.Module):
         return out
 
     # ---- inference ------------------------------------------------------------------------------
-    def freeze(self, merge: bool = True) -> SeededFastStream:
+    def freeze(self, merge: bool = True, head_bits: int | None = None) -> SeededFastStream:
         """Eval, no grad; ``merge`` folds the adapters into private copies of the fast layers and
-        builds the draft head over the draft vocabulary with the base head's kernel."""
+        builds the draft head over the draft vocabulary with the base head's kernel (``head_bits=4``: in its
+        4-bit blocks)."""
         self.eval().requires_grad_(False)
         for a in self.adapters:
             a.freeze(self.base.dtype)
@@ -380,7 +383,7 @@ class SeededFastStream(DraftHead, nn.Module):
             ]
             head = self.base.lm_head  # its kernel (bf16 under q4) also serves the fuse: 4 bits would blur it
             self.fuse_infer = linear_like(head, self.fuse.weight.detach().float())
-            self.build_draft_head()
+            self.build_draft_head(head_bits)
         return self
 
     def train(self, mode: bool = True) -> SeededFastStream:
