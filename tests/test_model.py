@@ -192,3 +192,36 @@ def test_auto_kernel_prefers_q4_for_bf16_on_cpu(tiny_model) -> None:
     expected = "q4" if q4_usable(plain) else "mkldnn" if mkldnn_usable(plain) else "plain"
     assert load_model(d, torch.bfloat16, kernel="auto").kernel == expected
     assert load_model(d, torch.float32, kernel="auto").kernel == "plain"
+
+
+@pytest.mark.parametrize("kernel", ["plain", "q4-avx2"])
+def test_greedy_vanilla_reads_the_head_s_own_logits_and_picks_the_same_tokens(tiny_model, kernel: str) -> None:
+    """``float_logits=False`` hands greedy decoding the head's own output (bf16 here): widening it is exact, so
+    it is the float32 logits' values and argmax, and `vanilla` gives the tokens it gave with float32 logits."""
+    from m2r2 import amx
+    from m2r2.decoding.autoregressive import Autoregressive
+    from m2r2.decoding.base import GenerationConfig
+
+    if kernel == "q4-avx2" and amx.avx2_extension() is None:
+        pytest.skip("no AVX2 CPU or no C++ compiler here")
+    d = tiny_model(hidden_size=64, intermediate_size=128, vocab_size=320, layers=3)
+    model = load_model(d, torch.bfloat16, kernel=kernel).model
+    ids = torch.arange(1, 20)[None]
+    own = model(ids, model.new_cache(64), 0, float_logits=False)
+    ref = model(ids, model.new_cache(64), 0)
+    assert own.dtype == torch.bfloat16 and torch.equal(own.float(), ref)
+    vanilla = Autoregressive(model, [])
+    greedy, sampled_path = GenerationConfig(max_new_tokens=24), []
+    float_head = model.head
+
+    def widened(h, float_logits=True):
+        sampled_path.append(float_logits)
+        return float_head(h, True)
+
+    out = vanilla.generate([3, 5, 7], greedy).tokens
+    model.head = widened  # every step through float32 logits, as before
+    try:
+        assert vanilla.generate([3, 5, 7], greedy).tokens == out
+    finally:
+        del model.head
+    assert sampled_path and not any(sampled_path[1:])  # the loop asked for the head's own logits after the prompt

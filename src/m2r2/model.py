@@ -871,9 +871,12 @@ class Transformer(Tracked):
             )
         return groups
 
-    def head(self, h: Tensor) -> Tensor:
-        """Final norm and LM head; logits are returned in float32 for exact argmax and sampling."""
-        return self.lm_head(self.norm(h)).float()
+    def head(self, h: Tensor, float_logits: bool = True) -> Tensor:
+        """Final norm and LM head; logits are returned in float32 for exact argmax and sampling
+        (``float_logits=False``: in the head's own dtype, for a greedy argmax, which picks the same token from
+        them, since widening to float32 is exact, without a float32 copy of the vocabulary)."""
+        logits = self.lm_head(self.norm(h))
+        return logits.float() if float_logits else logits
 
     def forward(
         self,
@@ -883,10 +886,12 @@ class Transformer(Tracked):
         last_only: bool = False,
         positions: Tensor | None = None,
         mask: Tensor | None = None,
+        float_logits: bool = True,
     ) -> Tensor:
-        """Logits for ``tokens`` (``[B, T]``) appended at ``pos`` (default: the cache length)."""
+        """Logits for ``tokens`` (``[B, T]``) appended at ``pos`` (default: the cache length); ``float_logits``
+        as :meth:`head` takes it."""
         pos = cache.length if pos is None else pos
         h = self.run_layers(self.embed_tokens(tokens), cache, pos, positions=positions, mask=mask)
         if last_only:
             h = h[:, -1:]
-        return self.head(h)
+        return self.head(h, float_logits)

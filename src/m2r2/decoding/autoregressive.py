@@ -50,7 +50,8 @@ class Autoregressive:
             stopper.emit([tok], stream)
             if stopper.done:
                 break
-            logits = self.model(torch.tensor([[tok]], device=self.model.device), cache)
+            # greedy: the argmax reads the head's own output (the same token, no float32 copy of it)
+            logits = self.model(torch.tensor([[tok]], device=self.model.device), cache, float_logits=not gen.greedy)
             steps += 1
         return stopper.result(
             t0,

@@ -224,7 +224,7 @@ class Sampler:
             self.rng.manual_seed(gen.seed if gen.seed is not None else int(time.time_ns() % (2**63)))
 
     def __call__(self, logits: Tensor) -> int:
-        """``logits``: ``[V]`` float32 for one position."""
+        """``logits``: ``[V]`` for one position: float32, or the head's own dtype when greedy."""
         if self.rng is None:
             return int(argmax_rows(logits))
         return int(torch.multinomial(warp_probs(logits, self.gen), 1, generator=self.rng))
