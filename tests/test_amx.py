@@ -539,3 +539,29 @@ def test_a_build_s_key_does_not_depend_on_what_was_built_before(tmp_path, monkey
     assert amx._build("q4_avx2", amx.AVX2_SOURCES, amx.AVX2_HEADERS, amx.AVX2_FLAGS).__name__ == first
     after = (amx.AVX2_FLAGS, amx.LDFLAGS)
     assert after == (flags_before, ld_before)
+
+
+@needs_avx2
+def test_avx512_swiglu_gives_the_avx2_product_s_bits() -> None:
+    """On a CPU with AVX-512 SwiGLU's product runs 16 lanes at a time (``silu_avx512.cpp``): every output has the
+    AVX2 path's bits, for rows of widths off a multiple of 8 and 16, values past exp's clamps, zeros of both signs,
+    subnormals, infinities and the largest bfloat16 values (the fused block calls the same range function)."""
+    ext = amx.avx2_extension()
+    if not ext.set_avx512_silu(True):
+        ext.set_avx512_silu(False)
+        pytest.skip("no AVX-512 on this CPU")
+    g = torch.Generator().manual_seed(47)
+    special = torch.tensor([0.0, -0.0, 1e-40, -1e-40, 88.5, -88.5, 100.0, -100.0, 3e38, -3e38, 1.0, -1.0])
+    special = torch.cat([special, torch.tensor([float("inf"), float("-inf")])])
+    try:
+        for rows, m in itertools.product([1, 3, 17], [1, 5, 8, 16, 37, 1536]):
+            gu = (torch.randn(rows, 2 * m, generator=g) * 6).bfloat16()
+            n = min(special.numel(), gu.numel())
+            gu.view(-1)[:n] = special[:n].bfloat16()
+            outs = []
+            for wide in (True, False):
+                ext.set_avx512_silu(wide)
+                outs.append(ext.silu_mul(gu).view(torch.int16))
+            assert torch.equal(outs[0], outs[1]), (rows, m)
+    finally:
+        ext.set_avx512_silu(True)

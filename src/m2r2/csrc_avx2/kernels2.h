@@ -104,6 +104,12 @@ void values_avx512(const float* e, int64_t estride, int64_t G, const int32_t* ke
 void silu_mul_rows(const at::BFloat16* gu, int64_t rows, int64_t m, uint16_t* out);
 // one row's silu(gate[j]) * up[j] for j in c0..c1-1 (c0 a multiple of 8), into out[j]
 void silu_mul_range(const at::BFloat16* gate, const at::BFloat16* up, int64_t c0, int64_t c1, uint16_t* out);
+// SwiGLU's product's AVX-512 build (silu_avx512.cpp: the same bits), where the CPU has AVX-512 F/BW/VL: whether it is
+// in use (neither M2R2_NO_AVX512_SILU=1 nor set_avx512_silu(false) turned it off), the switch (returns whether it was
+// in use), and the range itself
+bool avx512_silu_in_use();
+bool set_avx512_silu(bool on);
+void silu_mul_range_avx512(const at::BFloat16* gate, const at::BFloat16* up, int64_t c0, int64_t c1, uint16_t* out);
 // attention_rows' query vectors u0..u1-1 (u = ((b * KVH + h) * T + t) * (H / KVH) + g: vector g of key head h's group in
 // row t), on the calling thread (the same bits however a pass's vectors are cut)
 void attention_units(const float* q, const void* k, const void* v, bool bf16, const int64_t* kv, const bool* mask,

@@ -195,5 +195,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether the row attention runs its AVX-512 build (same bits)");
   m.def("set_avx512_attention", &m2r2_avx2::set_avx512_attention,
         "turn the AVX-512 row attention on (where the CPU has AVX512-BF16) or off");
+  m.def("avx512_silu_in_use", &m2r2_avx2::avx512_silu_in_use,
+        "whether SwiGLU's product runs its AVX-512 build (same bits)");
+  m.def("set_avx512_silu", &m2r2_avx2::set_avx512_silu,
+        "turn the AVX-512 SwiGLU product on (where the CPU has AVX-512) or off");
   m.def("usable", &usable, "whether this CPU can run the kernels (AVX2, FMA, F16C)");
 }

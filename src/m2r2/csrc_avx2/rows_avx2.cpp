@@ -342,6 +342,7 @@ void attention_rows(const float* q, const void* k, const void* v, bool bf16, con
 // roundings torch's `F.silu(gate) * up` makes), with this file's exp: lanes independent, so a row's
 // bits depend on that row alone.
 void silu_mul_range(const at::BFloat16* g, const at::BFloat16* u, int64_t c0, int64_t c1, uint16_t* o) {
+  if (avx512_silu_in_use()) return silu_mul_range_avx512(g, u, c0, c1, o);  // the same bits on 16 lanes
   for (int64_t j = c0; j < c1; j += 8) {
     const int64_t n = std::min<int64_t>(8, c1 - j);
     const __m256 x = load8(g + j, n);
