@@ -1,7 +1,7 @@
 // SwiGLU's product (rows_avx2.cpp, silu_mul_range) on 16 lanes for CPUs with AVX-512 (F, BW, VL), chosen at run time;
 // the extension itself is built with AVX2 flags only and still loads on AVX2 CPUs. Every output gets the AVX2
-// path's bits (tested): each lane runs the same operations in the same order (this file's exp is simd2.h's exp8 on
-// 16 lanes, the bfloat16 roundings the same integer steps), and the lanes past a range's end are masked instead of
+// path's bits (tested): each lane runs the same operations in the same order (simd2.h's exp8 on 16 lanes with its constants,
+// the bfloat16 roundings the same integer steps), and the lanes past a range's end are masked instead of
 // zero-filled.
 //
 // Why: the product is the largest of a block's row-wise steps (1.7 us a row a block on one thread, a third of them;
@@ -13,6 +13,7 @@
 #include <atomic>
 
 #include "kernels2.h"
+#include "simd2.h"
 
 #pragma GCC target("avx512f,avx512vl,avx512bw")
 
@@ -22,24 +23,21 @@ inline __m512 load16(const at::BFloat16* p, __mmask16 k) {  // bfloat16 widened 
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
 }
 
-inline __m512i to_bf16_bits(__m512 v) {  // simd2.h's rounding to nearest even, lane for lane
+inline __m512i bf16_bits16(__m512 v) {  // simd2.h's rounding to nearest even, lane for lane
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   return _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
 }
 
-inline __m512 exp16(__m512 x) {  // simd2.h's exp8, lane for lane
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-87.3f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+inline __m512 exp16(__m512 x) {  // simd2.h's exp8 on 16 lanes: its constants, its steps in its order
+  namespace c = m2r2_avx2::exp_c;
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(c::HI)), _mm512_set1_ps(c::LO));
+  const __m512 n =
+      _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(c::LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(c::LN2_HI), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(c::LN2_LO), r);
+  __m512 p = _mm512_set1_ps(c::P[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c::P[i]));
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
   const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
@@ -64,8 +62,8 @@ void silu_mul_range_avx512(const at::BFloat16* g, const at::BFloat16* u, int64_t
     const __m512 x = load16(g + j, k);
     const __m512 sig =
         _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
-    const __m512 rounded = _mm512_castsi512_ps(_mm512_slli_epi32(to_bf16_bits(sig), 16));
-    const __m512i out = to_bf16_bits(_mm512_mul_ps(rounded, load16(u + j, k)));
+    const __m512 rounded = _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(sig), 16));
+    const __m512i out = bf16_bits16(_mm512_mul_ps(rounded, load16(u + j, k)));
     _mm256_mask_storeu_epi16(o + j, k, _mm512_cvtepi32_epi16(out));
   }
 }

@@ -66,20 +66,25 @@ inline void store8_bf16(uint16_t* y, __m256 v) {
                    _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(b, b), 0x08)));
 }
 
+// exp's clamps, ln 2 in two parts and polynomial (highest power first): one set for exp8 and its 16-lane build
+// (silu_avx512.cpp), which must give the same bits
+namespace exp_c {
+constexpr float HI = 88.3762626647949f, LO = -87.3f, LOG2E = 1.44269504088896341f, LN2_HI = 0.693359375f,
+                LN2_LO = -2.12194440e-4f;
+constexpr float P[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                        4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+}  // namespace exp_c
+
 // exp(x) for 8 lanes (csrc/row_attention.cpp's polynomial; 2^n built from its exponent bits, so x is
 // clamped to >= -87.3, where exp is below float32's smallest normal anyway). Lanes are independent.
 inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-87.3f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(exp_c::HI)), _mm256_set1_ps(exp_c::LO));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(exp_c::LOG2E)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(exp_c::LN2_HI), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(exp_c::LN2_LO), r);
+  __m256 p = _mm256_set1_ps(exp_c::P[0]);
+  for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(exp_c::P[i]));
   p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
