@@ -211,11 +211,11 @@ def test_greedy_vanilla_reads_the_head_s_own_logits_and_picks_the_same_tokens(ti
     ref = model(ids, model.new_cache(64), 0)
     assert own.dtype == torch.bfloat16 and torch.equal(own.float(), ref)
     vanilla = Autoregressive(model, [])
-    greedy, sampled_path = GenerationConfig(max_new_tokens=24), []
+    greedy, asked_float = GenerationConfig(max_new_tokens=24), []
     float_head = model.head
 
     def widened(h, float_logits=True):
-        sampled_path.append(float_logits)
+        asked_float.append(float_logits)
         return float_head(h, True)
 
     out = vanilla.generate([3, 5, 7], greedy).tokens
@@ -224,4 +224,4 @@ def test_greedy_vanilla_reads_the_head_s_own_logits_and_picks_the_same_tokens(ti
         assert vanilla.generate([3, 5, 7], greedy).tokens == out
     finally:
         del model.head
-    assert sampled_path and not any(sampled_path[1:])  # the loop asked for the head's own logits after the prompt
+    assert asked_float and not any(asked_float[1:])  # the loop asked for the head's own logits after the prompt

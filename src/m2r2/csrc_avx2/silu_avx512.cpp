@@ -1,11 +1,11 @@
 // SwiGLU's product (rows_avx2.cpp, silu_mul_range) on 16 lanes for CPUs with AVX-512 (F, BW, VL), chosen at run time;
 // the extension itself is built with AVX2 flags only and still loads on AVX2 CPUs. Every output gets the AVX2
-// path's bits (tested): each lane runs the same operations in the same order (simd2.h's exp8 on 16 lanes with its constants,
-// the bfloat16 roundings the same integer steps), and the lanes past a range's end are masked instead of
-// zero-filled.
+// path's bits (tested): each lane runs the same operations in the same order (simd2.h's exp8 on 16 lanes with its
+// constants, the bfloat16 roundings the same integer steps), and the lanes past a range's end are masked instead of
+// zero-filled. The 16-lane exp stays in this file: simd2.h is inlined by files built for AVX2 only.
 //
-// Why: the product is the largest of a block's row-wise steps (1.7 us a row a block on one thread, a third of them;
-// BENCHMARKS.md, "Thirtieth round"), paid again for every verify row and every prefilled token.
+// Why: the product is the largest of a block's row-wise steps (1.7 us a row a block on one thread, over a quarter
+// of them; BENCHMARKS.md, "Thirtieth round"), paid again for every verify row and every prefilled token.
 #include <immintrin.h>
 #include <torch/extension.h>
 
