@@ -34,6 +34,6 @@ print(f"{path} on {answers}")
 print("| category | prompts | answer tokens | @1 | @2 | @3 | @4 |")
 print("|---|--:|--:|--:|--:|--:|--:|")
 for cat, seqs in groups.items():
-    agree = held_out_agreement(engine.model, trainee, seqs)
+    [agree] = held_out_agreement(engine.model, trainee, seqs)
     tokens = sum(len(t) - s for t, s in seqs)
     print(f"| {cat} | {len(seqs)} | {tokens} | " + " | ".join(f"{a:.3f}" for a in agree) + " |")

@@ -785,3 +785,126 @@ def test_positions_a_copy_already_drafts_weigh_copy_w_in_the_stream_loss(tmp_pat
     assert not (tmp_path / "z" / "checkpoint.pt").exists()
     with pytest.raises(SettingsError, match="copy_w"):  # a resume must keep the weighting
         train_seeded(e.model, e.fingerprint, replace(s, copy_w=0.25, resume=True), None)
+
+
+def test_a_store_built_on_the_decoding_kernel_holds_each_sequence_s_own_pass_and_keeps_its_kernel(tmp_path, tiny_model):
+    """``store --kernel auto``: the stream then trains on the states it is seeded with at inference, so each
+    stored sequence must hold the bits of a decoding-kernel pass over it alone and of its one-token steps, whatever
+    the store's batch; a resume on another kernel is refused."""
+    from m2r2.engine import Engine
+    from m2r2.training.store import StoreSettings, TrainStore, build_store, chat_encoder
+
+    d = tiny_model(hidden_size=64, intermediate_size=128, vocab_size=320, layers=3)
+    e = Engine(str(d), dtype="bf16", kernel="auto", quiet=True)
+    if not e.kernel.startswith("q4"):
+        pytest.skip(f"auto picks {e.kernel} here, not a 4-bit decoding kernel")
+    data = tmp_path / "conv.jsonl"
+    _conversations(data, 7)
+    enc = chat_encoder(e.tokenizer)
+    s = StoreSettings(data=str(data), max_len=96, batch=3, kv_layers=1, precision="bf16", kernel=e.kernel)
+    build_store(e.model, e.fingerprint, enc, tmp_path / "st", s)
+    st = TrainStore(tmp_path / "st", e.fingerprint)
+    seqs = [q for i in range(len(st.shards)) for q in st.sequences(st.load_shard(i))]
+    assert len(seqs) == 7 and len({len(q["tokens"]) for q in seqs}) > 1  # batches padded to their longest
+    with torch.inference_mode():
+        for q in seqs:
+            ids = q["tokens"].long()[None]
+            cache = e.model.new_cache(ids.shape[1])
+            h = e.model.run_layers(e.model.embed_tokens(ids), cache, 0)
+            assert torch.equal(q["hidden"], h[0].to(torch.bfloat16))
+        ids = seqs[0]["tokens"].long()  # and what one-token decoding steps give
+        cache = e.model.new_cache(len(ids))
+        steps = [e.model.run_layers(e.model.embed_tokens(ids[None, i : i + 1]), cache, i) for i in range(len(ids))]
+        assert torch.equal(seqs[0]["hidden"], torch.cat(steps, 1)[0].to(torch.bfloat16))
+    assert s.to_dict()["kernel"] == e.kernel and "kernel" not in StoreSettings(data=str(data)).to_dict()
+    with pytest.raises(SettingsError, match="other data or settings"):
+        other = StoreSettings(data=str(data), max_len=96, batch=3, kv_layers=1, precision="bf16", kernel="mkldnn")
+        build_store(e.model, e.fingerprint, enc, tmp_path / "st", other)
+
+
+def test_exact_agreement_counts_only_the_models_own_token(tmp_path, tiny_model):
+    """``eval-align``'s exact agreement: a position counts only where the stream's draft is the full model's
+    top-1 over its whole vocabulary; over the draft vocabulary alone a position whose token lies outside it
+    would count when the stream picks the model's best guess inside it."""
+    from m2r2.training.seeded_train import chain_losses, exact_top, pad_batch, targets
+    from m2r2.training.store import TrainStore
+
+    e = _engine_and_store(tmp_path, tiny_model)
+    st = TrainStore(tmp_path / "st", e.fingerprint)
+    batch = pad_batch(list(st.sequences(st.load_shard(0))), 1)
+    stream = SeededFastStream(e.model, SeededConfig.build(e.model.cfg.num_layers, depth=1, rank=2))
+    with torch.no_grad():
+        full = e.model.lm_head(e.model.norm(batch["hidden"])).argmax(-1)
+    assert torch.equal(exact_top(stream, batch["hidden"], full), full)  # no draft vocabulary: the same
+    common = full[batch["valid"]].bincount().argsort(descending=True)[:3]  # the model's three commonest picks
+    stream.draft_vocab = torch.cat([common, torch.tensor([v for v in range(40) if v not in common.tolist()])]).sort()[0]
+    _, _, top = targets(stream, batch["hidden"])
+    got = exact_top(stream, batch["hidden"], top)
+    inside = torch.isin(full, stream.draft_vocab)
+    assert torch.equal(got >= 0, inside) and torch.equal(stream.draft_vocab[got[inside]], full[inside])
+    assert bool(inside[batch["valid"]].any()) and not bool(inside[batch["valid"]].all())
+    out = chain_losses(stream, batch, 2, exact=True)
+    assert len(out["agree_exact"]) == 2 and all(x <= a for x, a in zip(out["agree_exact"], out["agree"], strict=True))
+    assert "agree_exact" not in chain_losses(stream, batch, 2)
+
+
+def test_first_draft_agreement_compares_each_first_draft_with_the_models_next_pick(tiny_model):
+    """The inference-form measure seeds the drafter at every answer position with the state of the position
+    before and the position's own token, and scores its top draft against the model's pick there: a drafter
+    that drafts the pick scores 1, one a position late only where the model picks the same token twice."""
+    from m2r2.engine import Engine
+    from m2r2.kernels import head_argmax
+    from m2r2.training.evaluate import first_draft_agreement
+
+    e = Engine(str(tiny_model(0)), dtype="fp32", quiet=True)
+    prompt, answer = [1, 5, 7, 9], [11, 13, 11, 12, 30, 30]
+    full = prompt + answer
+    with torch.inference_mode():
+        h = e.model.run_layers(e.model.embed_tokens(torch.tensor([full])), e.model.new_cache(len(full)), 0)
+        picks = head_argmax(e.model, h)[0].tolist()
+
+    class Drafter:
+        def __init__(self, shift: int) -> None:
+            self.shift, self.p = shift, None
+
+        def start(self, h, cache, verified: int) -> None:
+            self.p = verified
+
+        def top(self, tree, frontier, k):
+            return torch.tensor([[picks[self.p + self.shift]]]), None
+
+    assert first_draft_agreement(e.model, Drafter(0), [(prompt, answer)]) == 1.0
+    late = sum(picks[p - 1] == picks[p] for p in range(len(prompt), len(full))) / len(answer)
+    assert late < 1 and first_draft_agreement(e.model, Drafter(-1), [(prompt, answer)]) == late
+
+
+def test_first_drafts_are_what_a_drafter_sees_after_a_verify_pass(tiny_model):
+    """Teacher-forced first drafts over whole answers equal those drafted from a cache holding only the verified
+    positions, as after decoding's verify pass: a draft's fast K/V must not stay in the slow slot it borrowed
+    (as ``draft_head.py`` let it until the thirty-fourth round, which read agreement ~0.02-0.04 low)."""
+    from m2r2.decoding.tree import SeededDrafter, Tree
+    from m2r2.engine import Engine
+    from m2r2.training.distill import generate_batch
+    from m2r2.training.evaluate import first_drafts
+
+    e = Engine(str(tiny_model(0)), dtype="fp32", quiet=True)
+    m, g = e.model, torch.Generator().manual_seed(5)
+    prompts = [[1, *torch.randint(2, 60, (6,), generator=g).tolist()] for _ in range(2)]
+    records = [(p, generate_batch(m, [p], 16, [])[0]) for p in prompts]
+    stream = SeededFastStream(m, SeededConfig.build(m.cfg.num_layers, depth=1, rank=4))
+    with torch.no_grad():
+        for p in stream.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.3)
+    drafter = SeededDrafter(stream.freeze(merge=True))
+    got = first_drafts(m, drafter, records)
+    want = []
+    with torch.inference_mode():
+        for prompt, answer in records:
+            full, row = prompt + answer, []
+            for p in range(len(prompt), len(full)):
+                cache = m.new_cache(len(full) + 8)
+                h = m.run_layers(m.embed_tokens(torch.tensor([full[:p]])), cache, 0)
+                drafter.start(h[:, -1:], cache, p)
+                row.append(int(drafter.top(Tree([full[p]], [-1], [0], [1.0]), [0], 1)[0][0, 0]))
+            want.append(row)
+    assert got == want and len({t for row in got for t in row}) > 3

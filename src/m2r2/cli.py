@@ -753,7 +753,11 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser(
         "eval-align",
         help="per-fast-layer agreement, alignment and ARLA calibration on eval prompts",
-        description="Teacher-forced on the base model's greedy answers to eval prompts (never training prompts).",
+        description="Teacher-forced on the base model's greedy answers to eval prompts (never training prompts). "
+        "For a seeded stream, agree_per_draft_position counts a draft that matches the model's best token inside "
+        "the draft vocabulary (what training optimises); agree_exact_per_draft_position only a draft of the token "
+        "the model really picks (what verification accepts); experiments/first_draft.py measures the first draft "
+        "as m2r2 runs it, on the decoding kernel.",
     )
     e.add_argument("--dataset", default="mt_bench", help="eval set name under --eval-root, or a JSONL path")
     e.add_argument("--eval-root", default="../shared/data/eval", help="directory of eval sets")
@@ -883,6 +887,14 @@ def _add_seeded_commands(sub: argparse._SubParsersAction) -> None:
         choices=["fp32", "bf16"],
         help="base pass precision (default: a resumed store's own, else bf16 (oneDNN) on CPUs with bf16 dot "
         "products (AVX512-BF16, AMX) or a GPU, where it ran 3.3x faster than fp32, else fp32)",
+    )
+    st.add_argument(
+        "--kernel",
+        default=None,
+        choices=["auto", "plain", "mkldnn", "q4", "q4-amx", "q4-avx512", "q4-avx2"],
+        help="the base pass's linear-layer kernel (default mkldnn for bf16, plain for fp32); auto = the kernel "
+        "decoding runs (see `m2r2 generate --help`), so the stream trains on the states and tokens it is seeded "
+        "with and checked against at inference; a resumed store must use the same",
     )
     st.add_argument("--model", default=os.environ.get("M2R2_MODEL"), help="base model (default smollm2-135m)")
     st.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -1076,9 +1088,12 @@ def cmd_store(args: argparse.Namespace) -> int:
     if not data.is_file():
         raise InputError(f"{data}: no such conversations file")
     dtype = args.dtype or store_precision(Path(args.out))
-    kernel = "mkldnn" if dtype == "bf16" else "plain"  # q4's int4 GEMM is slow on whole sequences
-    engine = Engine(args.model, dtype=dtype, kernel=kernel, threads=args.threads)
-    s = StoreSettings(str(data), args.max_len, args.batch, kv_layers=args.kv_layers, precision=dtype, taps=args.taps)
+    default = "mkldnn" if dtype == "bf16" else "plain"
+    engine = Engine(args.model, dtype=dtype, kernel=args.kernel or default, threads=args.threads)
+    kernel = "" if args.kernel is None else engine.kernel  # what "auto" resolved to, so a resume must match it
+    s = StoreSettings(
+        str(data), args.max_len, args.batch, kv_layers=args.kv_layers, precision=dtype, taps=args.taps, kernel=kernel
+    )
     bar = tqdm(desc="store", unit="conv", file=sys.stderr)
 
     def progress(done: int, end: int, _: float) -> None:

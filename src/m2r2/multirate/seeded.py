@@ -188,10 +188,10 @@ class DraftHead:
     draft_vocab: Tensor | None
     sub_head: nn.Module | None
 
-    def head_weight(self) -> Tensor:
-        """Rows of the LM head the draft scores (the draft vocabulary, else all), float32."""
+    def head_weight(self, full: bool = False) -> Tensor:
+        """Rows of the LM head the draft scores (the draft vocabulary, else all; ``full``: all), float32."""
         w = self.base.lm_head.weight if isinstance(self.base.lm_head, nn.Linear) else dense_weight(self.base.lm_head)
-        return w if self.draft_vocab is None else w[self.draft_vocab.to(w.device)]
+        return w if self.draft_vocab is None or full else w[self.draft_vocab.to(w.device)]
 
     def build_draft_head(self, bits: int | None = None) -> None:
         """``sub_head``: the draft vocabulary's rows of the LM head with its kernel (``bits=4``: that kernel's

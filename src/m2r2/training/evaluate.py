@@ -129,6 +129,53 @@ def align_report(
     }
 
 
+@torch.inference_mode()
+def first_drafts(model: Transformer, drafter: Any, records: list[tuple[list[int], list[int]]]) -> list[list[int]]:
+    """Per ``(prompt_ids, answer_ids)`` record, a tree drafter's first draft at every answer position, in the
+    form ``m2r2`` runs it (folded layers, the decoding kernel, the draft head's kernel).
+
+    Teacher-forced: at answer position p the drafter is seeded as a tree's first level is after a verify pass
+    that accepted tokens up to p, with the model's final state at p - 1 and the token at p.
+    """
+    from m2r2.decoding.tree import Tree
+
+    drafts = []
+    for prompt, answer in records:
+        full = prompt + answer
+        cache = model.new_cache(len(full) + 8)
+        h = model.run_layers(model.embed_tokens(torch.tensor([full], device=model.device)), cache, 0)
+        row = []
+        for p in range(len(prompt), len(full)):
+            slow = cache.k[:, :, :, p].clone(), cache.v[:, :, :, p].clone()
+            drafter.start(h[:, p - 1 : p], cache, p)
+            top, _ = drafter.top(Tree([full[p]], [-1], [0], [1.0]), [0], 1)
+            row.append(int(top[0, 0]))
+            # the draft wrote its fast K/V into slot p, which decoding's next verify pass overwrites: put the slow
+            # K/V back, or every later position's draft reads a fast key among the slow ones
+            cache.k[:, :, :, p], cache.v[:, :, :, p] = slow
+        drafts.append(row)
+    return drafts
+
+
+@torch.inference_mode()
+def first_draft_agreement(model: Transformer, drafter: Any, records: list[tuple[list[int], list[int]]]) -> float:
+    """Share of answer positions at which :func:`first_drafts` is the token the model itself picks next there:
+    the acceptance a tree's first level sees, on the decoding kernel's states and tokens, which is what
+    verification accepts or rejects (the training form, ``eval-align``, runs float32 states)."""
+    from m2r2.kernels import head_argmax
+
+    hits = total = 0
+    for (prompt, answer), drafts in zip(records, first_drafts(model, drafter, records), strict=True):
+        full = prompt + answer
+        h = model.run_layers(
+            model.embed_tokens(torch.tensor([full], device=model.device)), model.new_cache(len(full)), 0
+        )
+        picks = head_argmax(model, h)[0, len(prompt) :].tolist()
+        hits += sum(d == t for d, t in zip(drafts, picks, strict=True))
+        total += len(drafts)
+    return hits / max(total, 1)
+
+
 def markdown(rep: dict[str, Any]) -> str:
     head = "| fast layer | base layer | target | agree fast | agree plain | cos fast | cos plain |"
     head += "".join(f" ARLA prec/cov @{t} |" for t in THRESHOLDS)
@@ -204,8 +251,12 @@ def eval_align(
             atomic_text(answers, "".join(json.dumps(r) + "\n" for r in records))
         if trainee is not None:  # per draft position, the training form (float32) over the same answers
             seqs = [(r["prompt_ids"] + r["answer_ids"], len(r["prompt_ids"])) for r in records]
-            agree = held_out_agreement(engine.model, trainee, seqs)
+            seeded = isinstance(stream, SeededFastStream)
+            keys = ("agree", "agree_exact") if seeded else ("agree",)
+            agree, *exact = held_out_agreement(engine.model, trainee, seqs, keys)
             rep = {"kind": stream.cfg.kind, "agree_per_draft_position": agree}
+            # the drafts that can be accepted: the model's own token, not its best guess in the draft vocabulary
+            rep |= {"agree_exact_per_draft_position": exact[0]} if seeded else {}
             rep |= {"layers": stream.cfg.layers} if isinstance(stream, SeededFastStream) else {}
         else:
             rep = align_report(stream, records, block=block)

@@ -78,10 +78,14 @@ class StoreSettings:
     #: base layers (0-based) whose output residual is stored too: the features a *tapped* seeded stream
     #: fuses into its seed (:class:`m2r2.multirate.seeded.SeededConfig`)
     taps: list[int] = field(default_factory=list)
+    #: the base pass's linear-layer kernel ("" = oneDNN for bf16, torch for fp32). A decoding kernel
+    #: (``q4-avx2``...) stores the very states and next tokens the stream is seeded with and verified
+    #: against at inference, which differ from oneDNN's on a few percent of tokens
+    kernel: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        for key, default in (("precision", "fp32"), ("taps", [])):
+        for key, default in (("precision", "fp32"), ("taps", []), ("kernel", "")):
             if d[key] == default:
                 del d[key]  # so stores built before the option existed still resume
         return d
@@ -306,6 +310,9 @@ def build_store(
     end = min(len(order), limit) if limit else len(order)
     done = int(man["conversations_done"])
     kv_ids = man["kv_layer_ids"]
+    # the 4-bit decoding kernels run a padded batch on another path than decoding's, while one sequence's
+    # pass gives every position the bits of its one-token step: the states inference will seed from
+    batch = 1 if s.kernel.startswith("q4") else s.batch
     t0 = time.perf_counter()
     while done < end and not (minutes and time.perf_counter() - t0 > minutes * 60):
         chunk = order[done : min(end, done + s.shard_sequences)]
@@ -315,8 +322,8 @@ def build_store(
         ]
         idx = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))  # less padding per batch
         rows: dict[int, dict[str, Tensor]] = {}
-        for j in range(0, len(idx), s.batch):
-            part = idx[j : j + s.batch]
+        for j in range(0, len(idx), batch):
+            part = idx[j : j + batch]
             for i, r in zip(part, slow_pass(model, [seqs[i] for i in part], kv_ids, s.taps), strict=True):
                 rows[i] = r
         kept = [rows[i] for i in range(len(seqs)) if len(seqs[i]) >= 2]

@@ -1,0 +1,45 @@
+"""Agreement at the first draft as ``m2r2`` runs it, for several seeded streams on the same answers.
+
+    python experiments/first_draft.py ADAPTERS [ADAPTERS ...] [--prompts N] [--dataset NAME] [--threads N]
+                                      [--model NAME] [--head-bits 4|8]
+
+The model's greedy answers (``vanilla`` on the default decoding kernel, 96 new tokens) to the first N first
+turns of an eval set; each stream in its inference form (folded layers, the draft head in ``--head-bits``
+blocks, as ``m2r2`` builds it) teacher-forced on them (:func:`m2r2.training.evaluate.first_draft_agreement`):
+the acceptance a tree's first level sees, on the states and tokens verification really uses. Also the share
+of answer tokens inside each stream's draft vocabulary (a draft outside it can never be accepted).
+"""
+
+import argparse
+import json
+
+from m2r2.bench.datasets import shared_eval_dir
+from m2r2.decoding.base import GenerationConfig
+from m2r2.engine import Engine
+from m2r2.training.evaluate import first_draft_agreement
+
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("adapters", nargs="+", help="seeded stream files ('shipped' = the bundled one)")
+parser.add_argument("--prompts", type=int, default=60)
+parser.add_argument("--dataset", default="mt_bench")
+parser.add_argument("--threads", type=int, default=2)
+parser.add_argument("--model", default=None)
+parser.add_argument("--head-bits", type=int, default=4)
+args = parser.parse_args()
+
+engine = Engine(args.model, threads=args.threads, quiet=True)
+rows = [json.loads(x) for x in (shared_eval_dir() / f"{args.dataset}.jsonl").open()][: args.prompts]
+records = []
+for row in rows:
+    ids = engine.tokenizer.encode_chat([{"role": "user", "content": row["turns"][0]}])
+    records.append((ids, engine.generate_ids(ids, "vanilla", GenerationConfig(max_new_tokens=96)).tokens))
+answer_tokens = [t for _, a in records for t in a]
+print(f"{len(records)} {args.dataset} first turns, {len(answer_tokens)} answer tokens, kernel {engine.kernel}")
+print("| stream | answer tokens in its draft vocabulary | agree @1 |")
+print("|---|--:|--:|")
+for path in args.adapters:
+    options = {"head_bits": args.head_bits} | ({} if path == "shipped" else {"adapters": path})
+    drafter = engine.strategy("m2r2", **options).drafter
+    vocab = set(drafter.fast.draft_vocab.tolist())
+    inside = sum(t in vocab for t in answer_tokens) / len(answer_tokens)
+    print(f"| {path} | {inside:.3f} | {first_draft_agreement(engine.model, drafter, records):.3f} |")
