@@ -1,7 +1,7 @@
 """Agreement at the first draft as ``m2r2`` runs it, for several seeded streams on the same answers.
 
     python experiments/first_draft.py ADAPTERS [ADAPTERS ...] [--prompts N] [--dataset NAME] [--threads N]
-                                      [--model NAME] [--head-bits 4|8]
+                                      [--model NAME] [--head-bits 4|8] [--dtype fp32 --kernel plain]
 
 The model's greedy answers (``vanilla`` on the default decoding kernel, 96 new tokens) to the first N first
 turns of an eval set; each stream in its inference form (folded layers, the draft head in ``--head-bits``
@@ -25,9 +25,11 @@ parser.add_argument("--dataset", default="mt_bench")
 parser.add_argument("--threads", type=int, default=2)
 parser.add_argument("--model", default=None)
 parser.add_argument("--head-bits", type=int, default=4)
+parser.add_argument("--dtype", default="bf16", help="bf16 (default) or fp32 (with --kernel plain: the training form's)")
+parser.add_argument("--kernel", default="auto", help="decoding kernel (default auto, what m2r2 runs)")
 args = parser.parse_args()
 
-engine = Engine(args.model, threads=args.threads, quiet=True)
+engine = Engine(args.model, dtype=args.dtype, kernel=args.kernel, threads=args.threads, quiet=True)
 rows = [json.loads(x) for x in (shared_eval_dir() / f"{args.dataset}.jsonl").open()][: args.prompts]
 records = []
 for row in rows:

@@ -327,7 +327,7 @@ def _m2r2(
     ``online_costs``: trees correct the measured verify costs by each answer's own passes
     (:class:`m2r2.decoding.tree.VerifyFit`). ``head_bits``: a seeded stream's draft head in the C++ kernels'
     4-bit blocks (4, the default) or 8-bit ones (8): half the bytes a draft reads (the start of a drafting round
-    0.099 -> 0.078 of a step, a level 0.025 -> 0.022) for 0.014 less agreement at the first draft; drafts only,
+    0.099 -> 0.078 of a step, a level 0.025 -> 0.022) for 0.012 less agreement at the first draft; drafts only,
     the output is the same (BENCHMARKS.md, "Thirty-third round")."""
     if head_bits not in (4, 8):
         raise ValueError(f"head_bits must be 4 or 8, not {head_bits}")
