@@ -129,17 +129,17 @@ def align_report(
     }
 
 
+Records = list[tuple[list[int], list[int]]]
+
+
 @torch.inference_mode()
-def first_drafts(model: Transformer, drafter: Any, records: list[tuple[list[int], list[int]]]) -> list[list[int]]:
-    """Per ``(prompt_ids, answer_ids)`` record, a tree drafter's first draft at every answer position, in the
-    form ``m2r2`` runs it (folded layers, the decoding kernel, the draft head's kernel).
-
-    Teacher-forced: at answer position p the drafter is seeded as a tree's first level is after a verify pass
-    that accepted tokens up to p, with the model's final state at p - 1 and the token at p.
-    """
+def _drafts_and_picks(model: Transformer, drafter: Any, records: Records) -> list[tuple[list[int], list[int]]]:
+    """Per record, the first drafts of :func:`first_drafts` and the model's own pick at the same positions, both
+    from one pass of the model over the record."""
     from m2r2.decoding.tree import Tree
+    from m2r2.kernels import head_argmax
 
-    drafts = []
+    out = []
     for prompt, answer in records:
         full = prompt + answer
         cache = model.new_cache(len(full) + 8)
@@ -153,27 +153,27 @@ def first_drafts(model: Transformer, drafter: Any, records: list[tuple[list[int]
             # the draft wrote its fast K/V into slot p, which decoding's next verify pass overwrites: put the slow
             # K/V back, or every later position's draft reads a fast key among the slow ones
             cache.k[:, :, :, p], cache.v[:, :, :, p] = slow
-        drafts.append(row)
-    return drafts
+        out.append((row, head_argmax(model, h)[0, len(prompt) :].tolist()))
+    return out
 
 
-@torch.inference_mode()
-def first_draft_agreement(model: Transformer, drafter: Any, records: list[tuple[list[int], list[int]]]) -> float:
+def first_drafts(model: Transformer, drafter: Any, records: Records) -> list[list[int]]:
+    """Per ``(prompt_ids, answer_ids)`` record, a tree drafter's first draft at every answer position, in the
+    form ``m2r2`` runs it (folded layers, the decoding kernel, the draft head's kernel).
+
+    Teacher-forced: at answer position p the drafter is seeded as a tree's first level is after a verify pass
+    that accepted tokens up to p, with the model's final state at p - 1 and the token at p.
+    """
+    return [drafts for drafts, _ in _drafts_and_picks(model, drafter, records)]
+
+
+def first_draft_agreement(model: Transformer, drafter: Any, records: Records) -> float:
     """Share of answer positions at which :func:`first_drafts` is the token the model itself picks next there:
     the acceptance a tree's first level sees, on the decoding kernel's states and tokens, which is what
     verification accepts or rejects (the training form, ``eval-align``, runs float32 states)."""
-    from m2r2.kernels import head_argmax
-
-    hits = total = 0
-    for (prompt, answer), drafts in zip(records, first_drafts(model, drafter, records), strict=True):
-        full = prompt + answer
-        h = model.run_layers(
-            model.embed_tokens(torch.tensor([full], device=model.device)), model.new_cache(len(full)), 0
-        )
-        picks = head_argmax(model, h)[0, len(prompt) :].tolist()
-        hits += sum(d == t for d, t in zip(drafts, picks, strict=True))
-        total += len(drafts)
-    return hits / max(total, 1)
+    pairs = _drafts_and_picks(model, drafter, records)
+    hits = sum(d == t for drafts, picks in pairs for d, t in zip(drafts, picks, strict=True))
+    return hits / max(sum(len(drafts) for drafts, _ in pairs), 1)
 
 
 def markdown(rep: dict[str, Any]) -> str:
