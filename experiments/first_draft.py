@@ -14,9 +14,8 @@ import argparse
 import json
 
 from m2r2.bench.datasets import shared_eval_dir
-from m2r2.decoding.base import GenerationConfig
 from m2r2.engine import Engine
-from m2r2.training.evaluate import first_draft_agreement
+from m2r2.training.evaluate import as_drafted, greedy_records
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("adapters", nargs="+", help="seeded stream files ('shipped' = the bundled one)")
@@ -31,17 +30,11 @@ args = parser.parse_args()
 
 engine = Engine(args.model, dtype=args.dtype, kernel=args.kernel, threads=args.threads, quiet=True)
 rows = [json.loads(x) for x in (shared_eval_dir() / f"{args.dataset}.jsonl").open()][: args.prompts]
-records = []
-for row in rows:
-    ids = engine.tokenizer.encode_chat([{"role": "user", "content": row["turns"][0]}])
-    records.append((ids, engine.generate_ids(ids, "vanilla", GenerationConfig(max_new_tokens=96)).tokens))
-answer_tokens = [t for _, a in records for t in a]
-print(f"{len(records)} {args.dataset} first turns, {len(answer_tokens)} answer tokens, kernel {engine.kernel}")
+records = greedy_records(engine, [row["turns"][0] for row in rows], 96)
+n = sum(len(a) for _, a in records)
+print(f"{len(records)} {args.dataset} first turns, {n} answer tokens, kernel {engine.kernel}")
 print("| stream | answer tokens in its draft vocabulary | agree @1 |")
 print("|---|--:|--:|")
 for path in args.adapters:
-    options = {"head_bits": args.head_bits} | ({} if path == "shipped" else {"adapters": path})
-    drafter = engine.strategy("m2r2", **options).drafter
-    vocab = set(drafter.fast.draft_vocab.tolist())
-    inside = sum(t in vocab for t in answer_tokens) / len(answer_tokens)
-    print(f"| {path} | {inside:.3f} | {first_draft_agreement(engine.model, drafter, records):.3f} |")
+    rep = as_drafted(engine, records, None if path == "shipped" else path, args.head_bits)
+    print(f"| {path} | {rep['answer_tokens_in_draft_vocab']:.3f} | {rep['first_draft_as_drafted']:.3f} |")

@@ -310,3 +310,6 @@ def test_bad_kernel_and_threads(tiny_model) -> None:
         load_model(d, torch.float32, kernel="q4")
     with pytest.raises(SettingsError, match="threads"):
         Engine(model=d, dtype="fp32", threads=-2)
+    with pytest.raises(SettingsError, match="q4-avx2 kernel needs bf16"):  # not quietly the plain kernel
+        Engine(model=d, dtype="fp32", kernel="q4-avx2")
+    assert Engine(model=d, dtype="fp32", kernel="auto").kernel == "plain"

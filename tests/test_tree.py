@@ -848,6 +848,52 @@ def test_exact_agreement_counts_only_the_models_own_token(tmp_path, tiny_model):
     assert "agree_exact" not in chain_losses(stream, batch, 2)
 
 
+def test_flat_oov_target_teaches_no_token_where_the_models_pick_lies_outside_the_vocabulary(tmp_path, tiny_model):
+    """``--oov flat``: where the full model's top-1 lies outside the draft vocabulary the soft target is
+    uniform (its cross-entropy is the mean of ``-log q``) and the hard top-1 term is dropped; elsewhere the
+    losses are those of the renormalized target. Without a draft vocabulary the two are the same."""
+    from m2r2.training.seeded_train import chain_losses, pad_batch
+    from m2r2.training.store import TrainStore
+
+    e = _engine_and_store(tmp_path, tiny_model)
+    st = TrainStore(tmp_path / "st", e.fingerprint)
+    batch = pad_batch(list(st.sequences(st.load_shard(0))), 1)
+    stream = SeededFastStream(e.model, SeededConfig.build(e.model.cfg.num_layers, depth=1, rank=2))
+    torch.manual_seed(0)
+    for p in stream.parameters():  # a stream whose drafts differ from position to position
+        p.data.normal_(0, 0.05)
+    with torch.no_grad():
+        same = [chain_losses(stream, batch, 1, oov=o) for o in ("renorm", "flat")]
+    assert all(torch.equal(same[0][k], same[1][k]) for k in ("ce", "top1", "arla"))
+    with torch.no_grad():
+        full = e.model.lm_head(e.model.norm(batch["hidden"])).argmax(-1)
+    common = full[batch["valid"]].bincount().argsort(descending=True)[:3]
+    stream.draft_vocab = torch.cat([common, torch.tensor([v for v in range(40) if v not in common.tolist()])]).sort()[0]
+    trained = batch["valid"] & (torch.arange(full.shape[1]) >= 1)  # a first draft needs a verified position
+    inside = torch.isin(full, stream.draft_vocab) & trained
+    outside = ~torch.isin(full, stream.draft_vocab) & trained
+    assert bool(inside.any()) and bool(outside.any())
+    with torch.no_grad():
+        renorm, flat = (chain_losses(stream, batch, 1, oov=o) for o in ("renorm", "flat"))
+        # the same losses, computed by hand on the positions of each kind
+        h = stream.forward_chain(batch["tokens"], batch["hidden"], batch["k"], batch["v"], 1)[0][-1]
+        w = stream.head_weight().float()
+        logq = F.linear(stream.base.norm(h), w).log_softmax(-1)
+        p = F.linear(stream.base.norm(batch["hidden"]), w).softmax(-1)
+    want_ce = torch.cat([-(p * logq).sum(-1)[inside], -logq.mean(-1)[outside]]).mean()
+    top = p.argmax(-1)
+    want_top1 = (-logq.gather(-1, top[..., None])[..., 0])[inside].mean()
+    torch.testing.assert_close(flat["ce"], want_ce)
+    torch.testing.assert_close(flat["top1"], want_top1)
+    assert not torch.allclose(renorm["ce"], flat["ce"])
+    with pytest.raises(SettingsError, match="--oov"):
+        from m2r2.training.seeded_train import SeededTrainSettings, train_seeded
+
+        train_seeded(
+            e.model, e.fingerprint, SeededTrainSettings(store=tmp_path / "st", out=tmp_path / "o", oov="x"), None
+        )
+
+
 def test_first_draft_agreement_compares_each_first_draft_with_the_models_next_pick(tiny_model):
     """The inference-form measure seeds the drafter at every answer position with the state of the position
     before and the position's own token, and scores its top draft against the model's pick there: a drafter
@@ -876,6 +922,37 @@ def test_first_draft_agreement_compares_each_first_draft_with_the_models_next_pi
     assert first_draft_agreement(e.model, Drafter(0), [(prompt, answer)]) == 1.0
     late = sum(picks[p - 1] == picks[p] for p in range(len(prompt), len(full))) / len(answer)
     assert late < 1 and first_draft_agreement(e.model, Drafter(-1), [(prompt, answer)]) == late
+
+
+def test_eval_align_as_drafted_adds_the_first_draft_as_m2r2_runs_it(tmp_path, capsys, tiny_model):
+    """``eval-align --as-drafted``: beside the float32 training-form figures, the first draft of the stream in the
+    form ``m2r2`` builds on the decoding engine, scored on that engine's own greedy answers: the same figure as
+    :func:`first_draft_agreement` over :func:`greedy_records`; refused for a file that is not a seeded stream."""
+    from tests.test_cli import assert_one_line_error, run_cli
+
+    from m2r2.engine import Engine
+    from m2r2.multirate.io import save_adapters
+    from m2r2.training.evaluate import first_draft_agreement, greedy_records
+
+    model_dir = str(tiny_model(0))
+    e = Engine(model_dir, dtype="bf16", quiet=True)
+    fast = seeded_stream(e.model, 1, 0.02, 7, fold=False, vocab=list(range(0, e.model.cfg.vocab_size, 2)))
+    path = save_adapters(tmp_path / "s.safetensors", fast, e.fingerprint, torch.float32)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": i, "turns": [f"write {i} words"]}) + "\n" for i in range(3)))
+    args = ["--model", model_dir, "--dataset", str(prompts), "--max-new-tokens", "12"]
+    rc, out, err = run_cli(capsys, "eval-align", *args, "--adapters", str(path), "--as-drafted", "--head-bits", "8")
+    assert rc == 0, err
+    rep = json.loads(out)
+    records = greedy_records(e, [f"write {i} words" for i in range(3)], 12)
+    drafter = e.strategy("m2r2", adapters=str(path), head_bits=8).drafter
+    assert rep["first_draft_as_drafted"] == first_draft_agreement(e.model, drafter, records)
+    assert rep["decoding_kernel"] == e.kernel and rep["as_drafted_positions"] == sum(len(a) for _, a in records)
+    inside = sum(t % 2 == 0 for _, a in records for t in a) / rep["as_drafted_positions"]
+    assert rep["answer_tokens_in_draft_vocab"] == inside and 0 < inside < 1 and rep["first_draft_as_drafted"] > 0
+    assert len(rep["agree_exact_per_draft_position"]) == 4
+    rc, out, err = run_cli(capsys, "eval-align", *args, "--as-drafted")
+    assert_one_line_error(rc, out, err, "seeded stream")
 
 
 def test_first_drafts_are_what_a_drafter_sees_after_a_verify_pass(tiny_model):

@@ -467,7 +467,11 @@ def cmd_eval_align(args: argparse.Namespace) -> int:
 
     path = Path(args.adapters) if args.adapters else None
     trained = is_heads_file(path) or is_head_file(path) or weightfile.is_kind(path, DRAFT) if path else False
-    if path and (trained or adapter_kind(read_meta(path)["config"]) == "seeded"):
+    seeded = bool(path) and not trained and adapter_kind(read_meta(path)["config"]) == "seeded"
+    if args.as_drafted and not seeded:
+        raise SettingsError("--as-drafted measures m2r2's drafter: give --adapters a seeded stream's file")
+    decoding = (args.dtype, args.kernel)
+    if path and (trained or seeded):
         args.dtype, args.kernel = "fp32", "plain"  # seeded, Medusa, EAGLE reports run the training form in float32
     engine = _engine(args, quiet=args.json)
     rep = eval_align(
@@ -482,6 +486,15 @@ def cmd_eval_align(args: argparse.Namespace) -> int:
         answers=Path(args.answers) if args.answers else None,
         merged=args.merged,
     )
+    if args.as_drafted:  # again on the decoding kernel's own answers, the stream in its inference form
+        from m2r2.engine import Engine
+        from m2r2.training.evaluate import as_drafted, eval_prompts, greedy_records
+
+        del engine  # one model at a time
+        dtype, kernel = decoding
+        dec = Engine(args.model, dtype=dtype, device=args.device, kernel=kernel, threads=args.threads, quiet=True)
+        prompts = eval_prompts(args.dataset, Path(args.eval_root), args.limit)
+        rep |= as_drafted(dec, greedy_records(dec, prompts, args.max_new_tokens), path, args.head_bits)
     print(json.dumps(rep, indent=2) if args.json or "agree_per_draft_position" in rep else markdown(rep))
     return 0
 
@@ -756,8 +769,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Teacher-forced on the base model's greedy answers to eval prompts (never training prompts). "
         "For a seeded stream, agree_per_draft_position counts a draft that matches the model's best token inside "
         "the draft vocabulary (what training optimises); agree_exact_per_draft_position only a draft of the token "
-        "the model really picks (what verification accepts); experiments/first_draft.py measures the first draft "
-        "as m2r2 runs it, on the decoding kernel.",
+        "the model really picks (what verification accepts); --as-drafted adds the first draft as m2r2 runs it, on "
+        "the decoding kernel (--dtype, --kernel) and its own greedy answers.",
     )
     e.add_argument("--dataset", default="mt_bench", help="eval set name under --eval-root, or a JSONL path")
     e.add_argument("--eval-root", default="../shared/data/eval", help="directory of eval sets")
@@ -774,6 +787,16 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="evaluate the inference form: adapters folded into copies of the fast layers, in the decoding "
         "kernel (what m2r2 / m2r2-dynamic run); default: the training form (base layers + low-rank deltas)",
+    )
+    e.add_argument(
+        "--as-drafted",
+        action="store_true",
+        help="seeded streams: also first_draft_as_drafted, the first draft's agreement in the form m2r2 runs it "
+        "(folded layer, --head-bits draft head) on the decoding kernel's own greedy answers: what a tree's first "
+        "level gets accepted (float32 training-form figures run ~0.02-0.05 higher)",
+    )
+    e.add_argument(
+        "--head-bits", type=int, default=4, choices=[4, 8], help="with --as-drafted: the draft head's bits (default 4)"
     )
     e.add_argument("--json", action="store_true", help="print JSON (layers: [{layer, agree_fast, ...}])")
     _add_model_args(e)
@@ -953,6 +976,14 @@ def _add_seeded_commands(sub: argparse._SubParsersAction) -> None:
         "--copy-answers",
         default=None,
         help="answer store that --copy-w judges positions with (default: the one shipped for the model)",
+    )
+    ts.add_argument(
+        "--oov",
+        choices=("renorm", "flat"),
+        default="renorm",
+        help="what a position whose full-model top-1 lies outside the draft vocabulary teaches: renorm (the "
+        "model's distribution over the draft vocabulary, renormalized; default) or flat (no token: a uniform "
+        "target, and ARLA learns a draft there as a miss, as verification counts it)",
     )
     ts.set_defaults(func=cmd_train_seeded)
 
@@ -1174,6 +1205,7 @@ def _train_from_store(args: argparse.Namespace, kind: str) -> int:
             align_w=args.align_w,
             top1_w=args.top1_w,
             copy_w=args.copy_w,
+            oov=args.oov,
             copy_answers=args.copy_answers,
         )
         train, name = st.train_seeded, "adapters"

@@ -77,10 +77,11 @@ class Engine:
         set_threads(threads)
         self.dtype_name = "fp32" if parse_dtype(dtype) == torch.float32 else "bf16"
         self.device = device or default_device()
-        self.model_dir: Path = resolve_model(model, quiet=quiet)
-        # fp32 is the reference mode: plain kernels, so output matches transformers exactly.
-        if self.dtype_name == REFERENCE_DTYPE:
+        # fp32 is the reference mode: plain kernels, so output matches transformers exactly. A bf16 kernel asked
+        # for by name is refused by load_model (one line) rather than quietly replaced.
+        if self.dtype_name == REFERENCE_DTYPE and kernel == "auto":
             kernel = "plain"
+        self.model_dir: Path = resolve_model(model, quiet=quiet)
         loaded = load_model(self.model_dir, parse_dtype(dtype), self.device, kernel=kernel)
         self.model: Transformer = loaded.model
         self.fingerprint = loaded.fingerprint

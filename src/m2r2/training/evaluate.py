@@ -176,6 +176,35 @@ def first_draft_agreement(model: Transformer, drafter: Any, records: Records) ->
     return hits / max(sum(len(drafts) for drafts, _ in pairs), 1)
 
 
+def greedy_records(engine: Loaded, prompts: list[str], max_new_tokens: int) -> Records:
+    """``(prompt_ids, answer_ids)`` of the engine's ``vanilla`` greedy answers, on its own kernel: the tokens
+    verification checks drafts against when ``m2r2`` runs on that kernel."""
+    from m2r2.decoding.base import GenerationConfig
+
+    gen = GenerationConfig(max_new_tokens=max_new_tokens)
+    records = []
+    for p in prompts:
+        ids = engine.tokenizer.encode_chat([{"role": "user", "content": p}])
+        records.append((ids, engine.generate_ids(ids, "vanilla", gen).tokens))
+    return records
+
+
+def as_drafted(engine: Loaded, records: Records, adapters: Path | None = None, head_bits: int = 4) -> dict[str, Any]:
+    """The first draft of a seeded stream as ``m2r2`` builds and runs it on ``engine`` (:func:`first_draft_agreement`),
+    and the share of the answers' tokens inside its draft vocabulary (a draft outside it is never accepted)."""
+    options: dict[str, Any] = {"head_bits": head_bits} | ({"adapters": str(adapters)} if adapters else {})
+    drafter = engine.strategy("m2r2", **options).drafter
+    vocab = set(drafter.fast.draft_vocab.tolist()) if drafter.fast.draft_vocab is not None else None
+    tokens = [t for _, answer in records for t in answer]
+    inside = 1.0 if vocab is None else sum(t in vocab for t in tokens) / max(len(tokens), 1)
+    return {
+        "first_draft_as_drafted": first_draft_agreement(engine.model, drafter, records),
+        "answer_tokens_in_draft_vocab": inside,
+        "decoding_kernel": engine.kernel,
+        "as_drafted_positions": len(tokens),
+    }
+
+
 def markdown(rep: dict[str, Any]) -> str:
     head = "| fast layer | base layer | target | agree fast | agree plain | cos fast | cos plain |"
     head += "".join(f" ARLA prec/cov @{t} |" for t in THRESHOLDS)
