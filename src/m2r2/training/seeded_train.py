@@ -203,7 +203,7 @@ def chain_losses(
     w, p, top = targets(stream, hidden)
     top_exact = exact_top(stream, hidden, top) if exact or oov == "flat" else None
     hit_target, top1_mask = top, valid
-    if oov == "flat" and top_exact is not None:
+    if oov == "flat":
         outside = top_exact < 0
         p = torch.where(outside[..., None], torch.full_like(p, 1.0 / p.shape[-1]), p)
         hit_target, top1_mask = top_exact, valid & ~outside
