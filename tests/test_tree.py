@@ -675,22 +675,29 @@ def test_a_tapped_stream_starts_at_its_plain_stream_and_trains_on_the_stores_tap
     init = str(tmp_path / "plain" / "adapters")
     grown = train_seeded(e.model, e.fingerprint, replace(s, store=tmp_path / "t", init=init, taps=[0]), None)
     assert grown.cfg.taps == [0] and grown.fuse.in_features == 3 * e.model.cfg.hidden_size
-    with pytest.raises(SettingsError, match="not --taps"):
+    with pytest.raises(SettingsError, match="not of all of"):
         train_seeded(e.model, e.fingerprint, replace(s, out=tmp_path / "x", taps=[0]), None)
+
+
+def _tapped_stream(seed: int, **taps: list[int]):
+    """A 4-layer tiny model, a one-layer seeded stream with ``taps``/``token_taps`` (random, unmerged) and a 12-token
+    sequence run through the model: ``model, fast, tokens, cache, layers, hidden``."""
+    model = tiny_model(seed, layers=4)
+    fast = SeededFastStream(model, SeededConfig.build(4, depth=1, rank=4, **taps))
+    with torch.no_grad():
+        for p in fast.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)) * 0.1)
+    fast.freeze(merge=False)
+    tokens = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(seed))
+    cache, layers = model.new_cache(12), []
+    hidden = model.run_layers(model.embed_tokens(tokens), cache, 0, layers)
+    return model, fast, tokens, cache, layers, hidden
 
 
 def test_a_tapped_stream_drafts_with_the_verified_positions_taps_and_stays_lossless():
     """Inference seeds a tapped stream's drafts with the tap layers' outputs at the last verified position,
     exactly what ``forward_chain`` trains on; greedy output stays plain greedy."""
-    model = tiny_model(31, layers=4)
-    fast = SeededFastStream(model, SeededConfig.build(4, depth=1, rank=4, taps=[0, 2]))
-    with torch.no_grad():
-        for p in fast.parameters():
-            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(3)) * 0.1)
-    fast.freeze(merge=False)
-    tokens = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(0))
-    cache, layers = model.new_cache(12), []
-    hidden = model.run_layers(model.embed_tokens(tokens), cache, 0, layers)
+    model, fast, tokens, cache, layers, hidden = _tapped_stream(31, taps=[0, 2])
     taps = torch.stack([layers[0], layers[2]], dim=2)  # [1, T, 2, d]
     chain = fast.forward_chain(tokens, hidden, cache.k[[3]], cache.v[[3]], steps=1, taps=taps)
     strat = TreeSpeculative("m2r2", model, fast, [], None, 6, 3, 2, 2)
@@ -713,6 +720,37 @@ def test_a_tapped_stream_drafts_with_the_verified_positions_taps_and_stays_lossl
         prompt = [rng.randrange(64) for _ in range(rng.randint(1, 20))]
         gen = GenerationConfig(max_new_tokens=rng.randint(1, 40))
         assert strat.generate(prompt, gen).tokens == Autoregressive(model, []).generate(prompt, gen).tokens
+
+
+def test_a_token_tapped_stream_drafts_with_the_base_layers_run_on_each_draft_node_and_stays_lossless():
+    """``--token-taps``: a draft node's seed reads the base's first layers run on the node itself (over the slow
+    cache and its ancestors), exactly the features ``forward_chain`` trains on at the token's own position, at the
+    first draft and down a chain of drafts; those layers' K/V in the node's slots are the slow ones; greedy output
+    stays plain greedy."""
+    model, fast, tokens, cache, layers, hidden = _tapped_stream(32, token_taps=[0, 1])
+    assert fast.fuse.in_features == 4 * model.cfg.hidden_size
+    own = torch.stack([layers[0], layers[1]], dim=2)  # [1, T, 2, d]: the token taps at every position
+    chain = fast.forward_chain(tokens, hidden, cache.k[[3]], cache.v[[3]], steps=2, taps=own)
+    strat = TreeSpeculative("m2r2", model, fast, [], None, 6, 3, 2, 2)
+    slow = cache.k.clone(), cache.v.clone()
+    for p in (4, 9):
+        cache.k.copy_(slow[0]), cache.v.copy_(slow[1])
+        cache.length = p
+        strat.drafter.start(hidden[:, p - 1 : p], cache, p)
+        tree = Tree([int(tokens[0, p])], [-1], [0], [1.0], [None])
+        f = strat.drafter._level(tree, [0])
+        assert torch.allclose(f[0], chain[0][-1][0, p], atol=1e-4)
+        assert torch.allclose(cache.k[:2, :, :, p], slow[0][:2, :, :, p], atol=1e-5)  # the slow K/V of layers 0, 1
+        tree.add(int(tokens[0, p + 1]), 0, 1.0)  # the true next token as the first draft: draft 2 of a chain
+        f = strat.drafter._level(tree, [1])
+        assert torch.allclose(f[0], chain[1][-1][0, p + 1], atol=1e-4)
+    rng = random.Random(32)
+    for _ in range(3):
+        prompt = [rng.randrange(64) for _ in range(rng.randint(1, 20))]
+        gen = GenerationConfig(max_new_tokens=rng.randint(1, 40))
+        assert strat.generate(prompt, gen).tokens == Autoregressive(model, []).generate(prompt, gen).tokens
+    with pytest.raises(SettingsError, match="token taps must be base layers below"):
+        SeededConfig.build(4, depth=2, token_taps=[2])
 
 
 def test_bad_taps_are_refused_before_any_work(tmp_path, tiny_model, capsys):

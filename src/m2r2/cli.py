@@ -953,6 +953,14 @@ def _add_seeded_commands(sub: argparse._SubParsersAction) -> None:
         "at the last verified position joins the seed, as EAGLE-3 fuses low/mid/high features (default none)",
     )
     ts.add_argument(
+        "--token-taps",
+        type=_layer_list,
+        default=[],
+        help="base layers below the fast ones (0-based, comma-separated; the store must hold them) whose output at "
+        "the drafted token's own position joins the seed: drafting runs the base's first layers on each draft "
+        "node as the verify pass will, so the stream sees the new token in context (default none)",
+    )
+    ts.add_argument(
         "--align-w",
         type=float,
         default=0.5,
@@ -1202,6 +1210,7 @@ def _train_from_store(args: argparse.Namespace, kind: str) -> int:
             chain=args.chain,
             attention_only=args.attention_only,
             taps=args.taps,
+            token_taps=args.token_taps,
             align_w=args.align_w,
             top1_w=args.top1_w,
             copy_w=args.copy_w,

@@ -448,26 +448,49 @@ std::vector<torch::Tensor> stack_forward(const BlockStack& stack, torch::Tensor 
   return all;
 }
 
-// What one draft level reads besides its rows: the fast block, the fuse ([h | e] -> d), the draft head (the final
-// RMSNorm's weight, the draft-vocabulary rows of the LM head), the embedding and RoPE tables, the fast layer's
-// cache.
+// What one draft level reads besides its rows: the fast block, the fuse ([h | e | token taps] -> d), the draft head
+// (the final RMSNorm's weight, the draft-vocabulary rows of the LM head), the embedding and RoPE tables, the fast
+// layer's cache; for a stream with token taps, the base's first blocks (`pre`, blocks 0..pre.size()-1), which of
+// their outputs join the seed (`tap_at`) and the whole cache (k_all, v_all [layers, 1, KVH, capacity, D]) whose
+// first layers' slots they write.
 struct LevelParts {
   const BlockWeights& w;
   const Linear &fuse, &head;
+  const std::vector<BlockWeights>& pre;
+  std::vector<int64_t> tap_at;
   torch::Tensor norm_w;
   float eps;
   torch::Tensor embed, rope_cos, rope_sin;
   CacheView cache;
+  std::vector<CacheView> pre_caches;
   int64_t capacity, verified;
 
-  LevelParts(const BlockWeights& w_, const Linear& fuse_, const Linear& head_, torch::Tensor norm, double eps_,
-             torch::Tensor embed_, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
+  LevelParts(const BlockWeights& w_, const Linear& fuse_, const Linear& head_, const std::vector<BlockWeights>& pre_,
+             std::vector<int64_t> tap_at_, torch::Tensor norm, double eps_, torch::Tensor embed_, torch::Tensor cos,
+             torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k_all, torch::Tensor v_all,
              int64_t verified_, int64_t k)
-      : w(w_), fuse(fuse_), head(head_), norm_w(norm), eps(static_cast<float>(eps_)), embed(embed_), rope_cos(cos),
-        rope_sin(sin), cache(cache_view(k_cache, v_cache)), capacity(k_cache.size(2)), verified(verified_) {
-    const int64_t d = w.attn_norm.numel();
+      : w(w_), fuse(fuse_), head(head_), pre(pre_), tap_at(std::move(tap_at_)), norm_w(norm), eps(static_cast<float>(eps_)),
+        embed(embed_), rope_cos(cos), rope_sin(sin), cache(cache_view(k_cache, v_cache)), capacity(k_cache.size(2)),
+        verified(verified_) {
+    const int64_t d = w.attn_norm.numel(), npre = static_cast<int64_t>(pre.size());
     check_cache(k_cache, v_cache, w.kv_heads, w.head_dim);
-    TORCH_CHECK(fuse.in == 2 * d && fuse.out == d && head.in == d && k >= 1 && k <= head.out, "fuse: 2d -> d, head: d -> V");
+    TORCH_CHECK(fuse.in == (2 + static_cast<int64_t>(tap_at.size())) * d && fuse.out == d && head.in == d && k >= 1 &&
+                    k <= head.out,
+                "fuse: (2 + token taps) d -> d, head: d -> V");
+    for (const int64_t t : tap_at) TORCH_CHECK(t >= 0 && t < npre, "token taps: outputs of the blocks run first");
+    if (npre) {
+      TORCH_CHECK(k_all.dim() == 5 && k_all.size(0) >= npre && v_all.sizes() == k_all.sizes(),
+                  "k_all, v_all: [layers, 1, KVH, capacity, D]");
+      for (int64_t i = 0; i < npre; ++i) {
+        const BlockWeights& b = pre[i];
+        TORCH_CHECK(b.attn_norm.numel() == d && b.kv_heads == w.kv_heads && b.head_dim == w.head_dim &&
+                        b.heads == w.heads && b.w2.in == w.w2.in,
+                    "first blocks shaped like the fast block");
+        check_cache(k_all.select(0, i), v_all.select(0, i), w.kv_heads, w.head_dim);
+        TORCH_CHECK(k_all.size(3) == capacity, "one capacity");
+        pre_caches.push_back(cache_view(k_all.select(0, i), v_all.select(0, i)));
+      }
+    }
     TORCH_CHECK(embed.dim() == 2 && embed.size(1) == d && embed.scalar_type() == at::kBFloat16 && embed.is_contiguous(),
                 "embed: contiguous bfloat16 [vocab, d]");
     TORCH_CHECK(rope_cos.scalar_type() == at::kBFloat16 && rope_sin.scalar_type() == at::kBFloat16 &&
@@ -485,23 +508,36 @@ struct LevelParts {
   void run(const uint16_t* seeds, const int64_t* tokens, const int64_t* positions, const bool* fast_mask,
            int64_t n, int64_t drafted, int64_t k, uint16_t* fp, int64_t* ids, float* probs) const {
     const int64_t d = w.attn_norm.numel(), D = w.head_dim, V = head.out;
-    const int64_t at = verified + drafted, S = at + n;
+    const int64_t at = verified + drafted, S = at + n, P = fuse.in, npre = static_cast<int64_t>(pre.size());
     TORCH_CHECK(drafted >= 0 && S <= capacity, "draft rows past the cache's capacity");
     const auto* ep = reinterpret_cast<const uint16_t*>(embed.data_ptr<at::BFloat16>());
-    std::vector<uint16_t> x(n * 2 * d), f0(n * d), cs(n * D), sn(n * D), hn(n * d), logits(n * V);
+    std::vector<uint16_t> x(n * P), f0(n * d), cs(n * D), sn(n * D), hn(n * d), logits(n * V);
     std::vector<char> mask(n * S);
     for (int64_t i = 0; i < n; ++i) {
       TORCH_CHECK(tokens[i] >= 0 && tokens[i] < embed.size(0) && positions[i] >= 0 && positions[i] < rope_cos.size(0),
                   "token or position");
-      std::memcpy(x.data() + i * 2 * d, seeds + i * d, d * 2);
-      std::memcpy(x.data() + i * 2 * d + d, ep + tokens[i] * d, d * 2);
+      std::memcpy(x.data() + i * P, seeds + i * d, d * 2);
+      std::memcpy(x.data() + i * P + d, ep + tokens[i] * d, d * 2);
       std::memcpy(cs.data() + i * D, reinterpret_cast<const uint16_t*>(rope_cos.data_ptr<at::BFloat16>()) + positions[i] * D, D * 2);
       std::memcpy(sn.data() + i * D, reinterpret_cast<const uint16_t*>(rope_sin.data_ptr<at::BFloat16>()) + positions[i] * D, D * 2);
       std::memset(mask.data() + i * S, 1, verified);
       std::memcpy(mask.data() + i * S + verified, fast_mask + i * (drafted + n), drafted + n);
     }
+    if (npre) {  // the base's first blocks over the nodes, as the verify pass runs them; the token taps into x
+      std::vector<uint16_t> e(n * d), outs(npre * n * d);
+      for (int64_t i = 0; i < n; ++i) std::memcpy(e.data() + i * d, ep + tokens[i] * d, d * 2);
+      const Rows pre_rows = rows_for(w, n);  // the first blocks are shaped like the fast one (checked)
+      in_team([&](const Team& team) {
+        for (int64_t b = 0; b < npre; ++b)
+          block_rows(team, pre[b], pre_rows, b == 0 ? e.data() : outs.data() + (b - 1) * n * d, n, pre_caches[b], at,
+                     reinterpret_cast<const bool*>(mask.data()), S, cs.data(), sn.data(), outs.data() + b * n * d);
+      });
+      for (size_t j = 0; j < tap_at.size(); ++j)
+        for (int64_t i = 0; i < n; ++i)
+          std::memcpy(x.data() + i * P + (2 + j) * d, outs.data() + (tap_at[j] * n + i) * d, d * 2);
+    }
     fuse.run(x.data(), n, f0.data());
-    const Rows rows = rows_for(w, n);
+    const Rows rows = rows_for(w, n);  // after the fuse: its scratch may be the same thread's
     in_team([&](const Team& team) {
       block_rows(team, w, rows, f0.data(), n, cache, at, reinterpret_cast<const bool*>(mask.data()), S, cs.data(),
                  sn.data(), fp);
@@ -545,12 +581,15 @@ struct LevelParts {
 // (`head`), softmax and the k best. What m2r2.multirate.seeded's step + draft_top do, in one call (the same
 // kernels; the softmax's exp is this build's). Returns the fast states [n, d] bfloat16, the k best
 // draft-vocabulary indices [n, k] int64 and their probabilities [n, k] float32.
-std::vector<torch::Tensor> draft_level(const BlockWeights& w, const Linear& fuse, const Linear& head, torch::Tensor norm_w,
-                                       double eps, torch::Tensor embed, torch::Tensor seeds, torch::Tensor tokens,
-                                       torch::Tensor positions, torch::Tensor rope_cos, torch::Tensor rope_sin,
-                                       torch::Tensor k_cache, torch::Tensor v_cache, int64_t verified, int64_t drafted,
+std::vector<torch::Tensor> draft_level(const BlockWeights& w, const Linear& fuse, const Linear& head,
+                                       const std::vector<BlockWeights>& pre, std::vector<int64_t> tap_at,
+                                       torch::Tensor norm_w, double eps, torch::Tensor embed, torch::Tensor seeds,
+                                       torch::Tensor tokens, torch::Tensor positions, torch::Tensor rope_cos,
+                                       torch::Tensor rope_sin, torch::Tensor k_cache, torch::Tensor v_cache,
+                                       torch::Tensor k_all, torch::Tensor v_all, int64_t verified, int64_t drafted,
                                        torch::Tensor fast_mask, int64_t k) {
-  const LevelParts parts(w, fuse, head, norm_w, eps, embed, rope_cos, rope_sin, k_cache, v_cache, verified, k);
+  const LevelParts parts(w, fuse, head, pre, std::move(tap_at), norm_w, eps, embed, rope_cos, rope_sin, k_cache, v_cache,
+                         k_all, v_all, verified, k);
   const int64_t n = seeds.size(0), d = w.attn_norm.numel();
   TORCH_CHECK(seeds.dim() == 2 && seeds.size(1) == d && seeds.scalar_type() == at::kBFloat16 && seeds.is_contiguous(),
               "seeds: contiguous bfloat16 [n, d]");
@@ -580,11 +619,13 @@ std::vector<torch::Tensor> draft_level(const BlockWeights& w, const Linear& fuse
 // the level's ~165 us of kernels on a fast 2-vCPU Xeon, and the cost model prices levels by the wall clock.
 // Returns the drafted nodes' tokens, parents and path probabilities in creation order (the root not included).
 std::tuple<std::vector<int64_t>, std::vector<int64_t>, std::vector<double>> draft_tree(
-    const BlockWeights& w, const Linear& fuse, const Linear& head, torch::Tensor norm_w, double eps, torch::Tensor embed,
-    torch::Tensor vocab, torch::Tensor h_last, int64_t root_token, torch::Tensor rope_cos, torch::Tensor rope_sin,
-    torch::Tensor k_cache, torch::Tensor v_cache, int64_t verified, int64_t depth_cap, int64_t width, int64_t branch,
-    int64_t max_total, double calib, double level_cost) {
-  const LevelParts parts(w, fuse, head, norm_w, eps, embed, rope_cos, rope_sin, k_cache, v_cache, verified, branch);
+    const BlockWeights& w, const Linear& fuse, const Linear& head, const std::vector<BlockWeights>& pre,
+    std::vector<int64_t> tap_at, torch::Tensor norm_w, double eps, torch::Tensor embed, torch::Tensor vocab,
+    torch::Tensor h_last, int64_t root_token, torch::Tensor rope_cos, torch::Tensor rope_sin, torch::Tensor k_cache,
+    torch::Tensor v_cache, torch::Tensor k_all, torch::Tensor v_all, int64_t verified, int64_t depth_cap, int64_t width,
+    int64_t branch, int64_t max_total, double calib, double level_cost) {
+  const LevelParts parts(w, fuse, head, pre, std::move(tap_at), norm_w, eps, embed, rope_cos, rope_sin, k_cache, v_cache,
+                         k_all, v_all, verified, branch);
   const int64_t d = w.attn_norm.numel();
   TORCH_CHECK(h_last.numel() == d && h_last.scalar_type() == at::kBFloat16 && h_last.is_contiguous(),
               "h_last: contiguous bfloat16 [d]");
@@ -661,6 +702,6 @@ void bind_block(pybind11::module& m) {
   m.def("stack_forward", &stack_forward, "blocks 0..stop-1 over a few rows, block_forward's bits, in one call");
   pybind11::class_<Linear>(m, "PackedLinearWeights", pybind11::module_local());
   m.def("make_linear", &make_linear, "a packed linear layer's weights for draft_level");
-  m.def("draft_level", &draft_level, "one greedy draft level of a one-layer seeded fast stream");
+  m.def("draft_level", &draft_level, "one greedy draft level of a one-layer seeded fast stream (token taps: the base's first blocks too)");
   m.def("draft_tree", &draft_tree, "a greedy draft tree of a one-layer seeded fast stream, its levels in one call");
 }

@@ -61,6 +61,11 @@ class SeededConfig:
     #: base layers (0-based) whose output residual at the last verified position joins the seed (the
     #: slow stream's low/mid-level features, as EAGLE-3 fuses them); none: the seed reads ``h_N`` alone
     taps: list[int] = field(default_factory=list)
+    #: base layers (0-based, below the fast layers) whose output residual *at the drafted token's own position*
+    #: joins the seed: the base model's first layers run on each draft node exactly as the verify pass will run
+    #: them (the slow cache, the node's ancestors), so the fast stream reads the new token in its context as the
+    #: model's early layers see it, not by its embedding alone
+    token_taps: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         for name, sub in (("gated", self.gated), ("attention-only", self.attention_only)):
@@ -68,6 +73,15 @@ class SeededConfig:
                 raise SettingsError(f"{name} layers {sub} are not among the fast layers {self.layers}")
         if not all(0 <= i < self.num_base_layers for i in self.taps):
             raise SettingsError(f"taps must be base layers 0..{self.num_base_layers - 1}, got {self.taps}")
+        if not all(0 <= i < min(self.layers) for i in self.token_taps):
+            raise SettingsError(
+                f"token taps must be base layers below the fast ones (0..{min(self.layers) - 1}), got {self.token_taps}"
+            )
+
+    @property
+    def seed_parts(self) -> int:
+        """How many ``d``-wide inputs the fuse reads: the previous state, the token's embedding, the taps."""
+        return 2 + len(self.taps) + len(self.token_taps)
 
     @classmethod
     def build(
@@ -79,6 +93,7 @@ class SeededConfig:
         gated: list[int] | None = None,
         attention_only: list[int] | None = None,
         taps: list[int] | None = None,
+        token_taps: list[int] | None = None,
     ) -> SeededConfig:
         if not 1 <= depth <= num_layers:
             raise SettingsError(f"seeded fast stream depth must be in 1..{num_layers}, got {depth}")
@@ -93,6 +108,7 @@ class SeededConfig:
             gated=sorted(gated or []),
             attention_only=sorted(attention_only or []),
             taps=sorted(taps or []),
+            token_taps=sorted(token_taps or []),
         )
 
     @property
@@ -105,7 +121,7 @@ class SeededConfig:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        for key in ("gated", "attention_only", "taps"):  # files of plain streams keep their earlier form
+        for key in ("gated", "attention_only", "taps", "token_taps"):  # files of plain streams keep their earlier form
             if not d[key]:
                 del d[key]
         return d
@@ -114,7 +130,9 @@ class SeededConfig:
     def from_dict(cls, d: dict[str, Any]) -> SeededConfig:
         try:
             layers = [int(i) for i in d["layers"]]
-            gated, attn, taps = ([int(i) for i in d.get(key, [])] for key in ("gated", "attention_only", "taps"))
+            gated, attn, taps, tok = (
+                [int(i) for i in d.get(key, [])] for key in ("gated", "attention_only", "taps", "token_taps")
+            )
             return cls(
                 int(d["num_base_layers"]),
                 layers,
@@ -123,6 +141,7 @@ class SeededConfig:
                 gated=gated,
                 attention_only=attn,
                 taps=taps,
+                token_taps=tok,
             )
         except (KeyError, TypeError, ValueError) as e:
             raise SettingsError(f"bad seeded fast-stream config {d}: {e}") from e
@@ -241,7 +260,7 @@ class SeededFastStream(DraftHead, nn.Module):
         self.cfg = cfg
         object.__setattr__(self, "base", base)
         d = base.cfg.hidden_size
-        self.fuse = nn.Linear((2 + len(cfg.taps)) * d, d, bias=False)
+        self.fuse = nn.Linear(cfg.seed_parts * d, d, bias=False)
         with torch.no_grad():  # start as h_N(t) + E(x_{t+1}): a residual the deep layer can read (taps: 0)
             self.fuse.weight.zero_()
             self.fuse.weight[:, : 2 * d].copy_(torch.cat([torch.eye(d), torch.eye(d)], dim=1))
@@ -259,14 +278,18 @@ class SeededFastStream(DraftHead, nn.Module):
     base: Transformer
 
     # ---- shared by training and inference -------------------------------------------------------
-    def seed(self, h_prev: Tensor, tokens: Tensor, taps: Tensor | None = None) -> Tensor:
+    def seed(
+        self, h_prev: Tensor, tokens: Tensor, taps: Tensor | None = None, token_feats: Tensor | None = None
+    ) -> Tensor:
         """``f_0``: the previous position's final state (slow, or the previous draft's) fused with the token
-        (and, for a tapped stream, the last verified position's tap features ``[..., len(taps), d]``)."""
+        (and, for a tapped stream, the last verified position's tap features ``[..., len(taps), d]``; for one
+        with token taps, the token's own early-layer features ``[..., len(token_taps), d]``)."""
         parts = [h_prev, self.base.embed_tokens(tokens).to(h_prev.dtype)]
-        if self.cfg.taps:
-            if taps is None:
-                raise SettingsError("this seeded stream fuses tap features into its seed; none were given")
-            parts.append(taps.flatten(-2).to(h_prev.dtype))
+        for name, want, got in (("tap", self.cfg.taps, taps), ("token-tap", self.cfg.token_taps, token_feats)):
+            if want:
+                if got is None:
+                    raise SettingsError(f"this seeded stream fuses {name} features into its seed; none were given")
+                parts.append(got.flatten(-2).to(h_prev.dtype))
         x = torch.cat(parts, dim=-1)
         if self.fuse_infer is not None:
             return self.fuse_infer(x.to(self.base.dtype))
@@ -314,6 +337,8 @@ class SeededFastStream(DraftHead, nn.Module):
             or not set(extra) <= set(b.gated)
             or not set(a.attention_only) <= set(b.attention_only)
             or a.taps not in ([], b.taps)
+            or a.token_taps not in ([], b.token_taps)
+            or (a.token_taps and a.taps != b.taps)
         ):
             raise SettingsError(
                 f"cannot start a seeded stream of layers {b.layers}, rank {b.rank}, gated {b.gated}, attention-only "
@@ -342,9 +367,11 @@ class SeededFastStream(DraftHead, nn.Module):
         """States ``[f_0 .. f_K]`` of draft steps 1..``steps`` at every position of whole sequences.
 
         ``tokens`` ``[B, T]``; ``hidden``: the slow ``h_N`` ``[B, T, d]``; ``k``/``v``: slow K/V of the
-        fast layers' base layers ``[K, B, KVH, T, D]``; ``taps`` (tapped streams): the tap layers' outputs
-        ``[B, T, len, d]``. Step 1 at position p is seeded by ``h_N(p-1)``, step s by step s-1's final
-        fast state at ``p-1``, and both by the taps of the block's last verified position ``p-s``; its
+        fast layers' base layers ``[K, B, KVH, T, D]``; ``taps``: the tap layers' outputs ``[B, T, len, d]``
+        (tapped streams), then along the same dim the token taps' (``[B, T, len(token_taps), d]``). Step 1 at
+        position p is seeded by ``h_N(p-1)``, step s by step s-1's final fast state at ``p-1``, and both by the
+        taps of the block's last verified position ``p-s`` and the token taps of ``p`` itself (teacher forced,
+        the drafted tokens are the true ones, so these are what the base's first layers give the draft); its
         target is ``h_N(p)``.
         """
         base = self.base
@@ -352,10 +379,14 @@ class SeededFastStream(DraftHead, nn.Module):
         cos, sin = base.rope(0, t, hidden.dtype)
         prev = F.pad(hidden, (0, 0, 1, 0))[:, :t]  # h_N(p-1); zeros at p = 0 (masked out of the loss)
         fast_kv: list[list[tuple[Tensor, Tensor]]] = [[] for _ in self.cfg.layers]
+        n_taps = len(self.cfg.taps)
+        own = taps[:, :, n_taps:] if self.cfg.token_taps and taps is not None else None
         out = []
         for s in range(1, steps + 1):
-            verified = None if taps is None else F.pad(taps, (0, 0, 0, 0, s, 0))[:, :t]  # taps(p - s)
-            states = [self.seed(prev, tokens, verified)]
+            verified = None
+            if n_taps and taps is not None:
+                verified = F.pad(taps[:, :, :n_taps], (0, 0, 0, 0, s, 0))[:, :t]  # taps(p - s)
+            states = [self.seed(prev, tokens, verified, own)]
             for j in range(self.cfg.depth):
                 blk, lora = self.layer(j)
                 f = states[-1]
@@ -416,7 +447,8 @@ class SeededFastStream(DraftHead, nn.Module):
         n, at = tokens.shape[1], verified_len + drafted
         mask = torch.ones(n, at + n, dtype=torch.bool, device=fast_mask.device)
         mask[:, verified_len:] = fast_mask
-        states = [self.seed(h_prev.to(base.dtype), tokens, taps).to(base.dtype)]
+        own = self.token_features(tokens, cos, sin, cache, at, mask)
+        states = [self.seed(h_prev.to(base.dtype), tokens, taps, own).to(base.dtype)]
         for j, layer in enumerate(self.cfg.layers):
             blk, lora = self.layer(j)
             f = states[-1]
@@ -430,10 +462,27 @@ class SeededFastStream(DraftHead, nn.Module):
             states.append(self.residual(j, blk, lora, f, attend(q, sk, sv, mask)))  # C++ rows on a CPU
         return states
 
-    def fused_level(self) -> tuple[object, object, object] | None:
+    def token_features(
+        self, tokens: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, at: int, mask: Tensor
+    ) -> Tensor | None:
+        """The token taps of ``n`` draft nodes (``[1, n, len(token_taps), d]``; None without token taps): base layers
+        ``0..max(token_taps)`` over the nodes, each attending the slow cache and the ancestors ``mask`` allows. Their
+        K/V go to those layers' slots ``at..at+n-1``: the slow K/V of the nodes, which the verify pass writes again."""
+        if not self.cfg.token_taps:
+            return None
+        base = self.base
+        x, feats = base.embed_tokens(tokens), []
+        for layer in range(max(self.cfg.token_taps) + 1):
+            x = base.layers[layer](x, cos, sin, cache, layer, at, mask)
+            if layer in self.cfg.token_taps:
+                feats.append(x)
+        return torch.stack(feats, dim=-2)
+
+    def fused_level(self) -> tuple[object, ...] | None:
         """The C++ weights of a greedy draft level in one call (``csrc_avx2/block_avx2.cpp: draft_level``), or
         None where it does not apply: a folded one-layer stream (a full layer, no taps or gates) whose fast
-        block, fuse and draft head run the AVX2 build's kernels. Built once per folding."""
+        block, fuse and draft head run the AVX2 build's kernels (token taps: the base's first blocks too, and
+        which of their outputs join the seed). Built once per folding."""
         key = (id(self.merged), id(self.fuse_infer), id(self.sub_head))
         kept = self.__dict__.get("_fused_level")
         if kept is not None and kept[0] == key:
@@ -457,12 +506,14 @@ class SeededFastStream(DraftHead, nn.Module):
             and all(getattr(m, "op", None) in AVX2_OPS and m.bias is None for m in parts)
             and self.base.norm.weight.dtype == torch.bfloat16
             and self.base.embed.weight.dtype == torch.bfloat16
+            and None
+            not in (pre := [self.base.layers[i].fused() for i in range(1 + max(self.cfg.token_taps, default=-1))])
         ):
             none = torch.empty(0)
             fuse, head = (
                 ext.make_linear(m.qbytes, m.scales, AVX2_OPS[m.op], none, m.in_features, m.out_features) for m in parts
             )
-            level = (block, fuse, head)
+            level = (block, fuse, head, pre, self.cfg.token_taps)
         self.__dict__["_fused_level"] = (key, level)
         return level
 
@@ -482,19 +533,16 @@ class SeededFastStream(DraftHead, nn.Module):
         probabilities ``[n, k]``. Same kernels and fast K/V as :meth:`step`; the softmax's exp is the C++ one."""
         if verified + drafted + len(tokens) > cache.max_len or (parts := self._level_parts(cache)) is None:
             return None
-        level, (norm_w, eps, embed, cos, sin, k_cache, v_cache) = parts
-        states, idx, probs = amx.avx2_extension().draft_level(  # type: ignore[union-attr]
+        level, read, rope, caches = parts
+        ext = amx.avx2_extension()
+        states, idx, probs = ext.draft_level(  # type: ignore[union-attr]
             *level,
-            norm_w,
-            eps,
-            embed,
+            *read,
             seeds.contiguous(),
             torch.tensor(tokens),
             torch.tensor(positions),
-            cos,
-            sin,
-            k_cache,
-            v_cache,
+            *rope,
+            *caches,
             verified,
             drafted,
             fast_mask.contiguous(),
@@ -514,16 +562,15 @@ class SeededFastStream(DraftHead, nn.Module):
         slots as there."""
         if (parts := self._level_parts(cache)) is None:
             return None
-        level, (norm_w, eps, embed, cos, sin, k_cache, v_cache) = parts
+        level, read, rope, caches = parts
         vocab = self.draft_vocab if self.draft_vocab is not None else torch.empty(0, dtype=torch.long)
-        return amx.avx2_extension().draft_tree(  # type: ignore[union-attr]
-            *level, norm_w, eps, embed, vocab, h_last.contiguous(), root, cos, sin, k_cache, v_cache, verified, *limits
-        )
+        ext = amx.avx2_extension()
+        return ext.draft_tree(*level, *read, vocab, h_last.contiguous(), root, *rope, *caches, verified, *limits)  # type: ignore[union-attr]
 
-    def _level_parts(self, cache: KVCache) -> tuple[tuple[object, object, object], tuple] | None:
+    def _level_parts(self, cache: KVCache) -> tuple[tuple[object, ...], ...] | None:
         """What the C++ draft calls read besides their rows, where they apply to this inference pass over ``cache``
-        (else None): :meth:`fused_level`'s weights, then the final norm's weight and eps, the embedding, the RoPE
-        tables and the fast layer's K/V cache."""
+        (else None): :meth:`fused_level`'s weights; the final norm's weight and eps and the embedding; the RoPE
+        tables; the fast layer's K/V cache and the whole cache (whose first layers token taps write)."""
         if (
             not m2r2.model.FUSED_BLOCKS
             or torch.is_grad_enabled()
@@ -532,15 +579,8 @@ class SeededFastStream(DraftHead, nn.Module):
         ):
             return None
         base, layer = self.base, self.cfg.layers[0]
-        return level, (
-            base.norm.weight,
-            base.norm.eps,
-            base.embed.weight,
-            base.rope_cos,
-            base.rope_sin,
-            cache.k[layer],
-            cache.v[layer],
-        )
+        read = (base.norm.weight, base.norm.eps, base.embed.weight)
+        return level, read, (base.rope_cos, base.rope_sin), (cache.k[layer], cache.v[layer], cache.k, cache.v)
 
     def exit_probability(self, states: list[Tensor]) -> Tensor:
         return torch.sigmoid(self.arla(states, self.cfg.depth))

@@ -87,6 +87,8 @@ class SeededTrainSettings(StoreTrainSettings):
     chain: int = 3  # draft steps trained at each position (train-time drafting)
     attention_only: bool = False  # layers grown onto --init run attention but no FFN
     taps: list[int] = field(default_factory=list)  # base layers whose outputs join the seed (the store's)
+    #: base layers whose outputs at the drafted token's own position join the seed (the store's taps)
+    token_taps: list[int] = field(default_factory=list)
     align_w: float = 0.5
     arla_w: float = 0.1
     #: weight of a hard cross-entropy on the full model's top-1 token (over the draft vocabulary) beside the
@@ -121,7 +123,8 @@ class Trainee:
     kv_layers: list[int] = field(default_factory=list)  # base layers whose slow K/V each batch carries
     #: loads an --init module into ``module``; None: it must be of the same type and shape
     adopt: Callable[[nn.Module], None] | None = None
-    taps: list[int] = field(default_factory=list)  # base layers whose outputs each batch carries
+    #: base layers whose outputs each batch carries, in this order (a store may hold more)
+    taps: list[int] = field(default_factory=list)
     #: a sequence's tokens -> its per-position loss weights (None: every position weighs 1)
     weigh: Callable[[list[int]], Tensor] | None = None
 
@@ -298,7 +301,7 @@ def seeded_trainee(
         lambda path, fp: load_adapters(path, stream.base, fp),
         kv_layers=stream.cfg.layers,
         adopt=stream.adopt,
-        taps=stream.cfg.taps,
+        taps=stream.cfg.taps + stream.cfg.token_taps,
         weigh=weigh,
     )
 
@@ -333,7 +336,13 @@ def train_seeded(
         raise SettingsError(f"--oov must be one of {', '.join(OOV_TARGETS)}, got {s.oov!r}")
     gated, attention_only = grown_layers(s)
     cfg = SeededConfig.build(
-        base.cfg.num_layers, s.depth, s.rank, gated=gated, attention_only=attention_only, taps=s.taps
+        base.cfg.num_layers,
+        s.depth,
+        s.rank,
+        gated=gated,
+        attention_only=attention_only,
+        taps=s.taps,
+        token_taps=s.token_taps,
     )
     stream = SeededFastStream(base, cfg)
     stream.draft_vocab = draft_vocab
@@ -394,9 +403,16 @@ def train_on_store(
     for store in stores:
         if depth and store.kv_layers[-depth:] != t.kv_layers:
             raise SettingsError(f"store {store.root} holds K/V of layers {store.kv_layers}, not of {t.kv_layers}")
-        if t.taps and store.taps != t.taps:
-            raise SettingsError(f"store {store.root} holds the outputs of layers {store.taps}, not --taps {t.taps}")
+        if not set(t.taps) <= set(store.taps):
+            raise SettingsError(f"store {store.root} holds the outputs of layers {store.taps}, not of all of {t.taps}")
     seqs = [[q for i in range(len(st.shards)) for q in st.sequences(st.load_shard(i, kv=depth > 0))] for st in stores]
+    for st, more in zip(stores, seqs, strict=True):  # each batch carries the trainee's tap layers, in its order
+        pick = [st.taps.index(i) for i in t.taps]
+        for q in more:
+            if t.taps:
+                q["taps"] = q["taps"][:, pick]
+            else:
+                q.pop("taps", None)
     if t.weigh is not None:
         for q in tqdm([q for more in seqs for q in more], desc="copy labels", unit="seq", leave=False):
             q["weight"] = t.weigh(q["tokens"].tolist())
