@@ -447,7 +447,7 @@ class SeededFastStream(DraftHead, nn.Module):
         n, at = tokens.shape[1], verified_len + drafted
         mask = torch.ones(n, at + n, dtype=torch.bool, device=fast_mask.device)
         mask[:, verified_len:] = fast_mask
-        own = self.token_features(tokens, cos, sin, cache, at, mask)
+        own = self.token_features(tokens, positions, cache, at, mask)
         states = [self.seed(h_prev.to(base.dtype), tokens, taps, own).to(base.dtype)]
         for j, layer in enumerate(self.cfg.layers):
             blk, lora = self.layer(j)
@@ -462,21 +462,16 @@ class SeededFastStream(DraftHead, nn.Module):
             states.append(self.residual(j, blk, lora, f, attend(q, sk, sv, mask)))  # C++ rows on a CPU
         return states
 
-    def token_features(
-        self, tokens: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, at: int, mask: Tensor
-    ) -> Tensor | None:
+    def token_features(self, tokens: Tensor, positions: Tensor, cache: KVCache, at: int, mask: Tensor) -> Tensor | None:
         """The token taps of ``n`` draft nodes (``[1, n, len(token_taps), d]``; None without token taps): base layers
         ``0..max(token_taps)`` over the nodes, each attending the slow cache and the ancestors ``mask`` allows. Their
         K/V go to those layers' slots ``at..at+n-1``: the slow K/V of the nodes, which the verify pass writes again."""
         if not self.cfg.token_taps:
             return None
-        base = self.base
-        x, feats = base.embed_tokens(tokens), []
-        for layer in range(max(self.cfg.token_taps) + 1):
-            x = base.layers[layer](x, cos, sin, cache, layer, at, mask)
-            if layer in self.cfg.token_taps:
-                feats.append(x)
-        return torch.stack(feats, dim=-2)
+        base, outs = self.base, []
+        stop = max(self.cfg.token_taps) + 1
+        base.run_layers(base.embed_tokens(tokens), cache, at, outs, stop, positions=positions, mask=mask)
+        return torch.stack([outs[i] for i in self.cfg.token_taps], dim=-2)
 
     def fused_level(self) -> tuple[object, ...] | None:
         """The C++ weights of a greedy draft level in one call (``csrc_avx2/block_avx2.cpp: draft_level``), or
