@@ -215,6 +215,32 @@ def test_rows_dearer_in_situ_than_measured_make_choose_verify_fewer():
     assert fixed.choose(chain, 8, 1.0, 2, fixed.costs_for(state)) == measured
 
 
+def test_costs_timed_on_a_busier_machine_are_dropped(tmp_path, monkeypatch):
+    """A sequence whose own verify passes ran well below the cached costs (their online correction's one-row
+    scale under 0.8 over 16+ passes) deletes the cache file, so that the next build measures again; passes at
+    or above the measured cost (a busy moment now, or longer contexts) keep it, as do short answers."""
+    from m2r2.decoding import costs as costs_mod
+
+    path = tmp_path / "tree-k.json"
+    for scale, passes, dropped in ((0.6, 16, True), (0.6, 15, False), (0.85, 40, False), (2.0, 40, False)):
+        path.write_text("{}")
+        assert costs_mod.drop_loaded_costs(path, scale, passes) is dropped and path.exists() is not dropped
+    assert not costs_mod.drop_loaded_costs(None, 0.1, 40) and not costs_mod.drop_loaded_costs(path, None, 40)
+    # wired into generation: the scale the rounds decided with, averaged over them
+    model = tiny_model(12)
+    strategy = TreeSpeculative("m2r2", model, seeded_stream(model, 1, 0.5, 12, fold=False), [], None, costs=MEASURED)
+    prompt, gen = [1, 5, 9, 2], GenerationConfig(max_new_tokens=60)
+    for scale, kept in ((0.5, False), (1.0, True)):
+        monkeypatch.setattr(VerifyFit, "scales", lambda self, scale=scale: (scale, 1.0))
+        path.write_text("{}")
+        strategy.cost_file = path
+        out = strategy.generate(prompt, gen)
+        assert out.stats["verify_passes"] >= 16 and out.stats["verify_scale_base"] == pytest.approx(scale)
+        assert path.exists() is kept
+    strategy.cost_file = None  # not cached (``cost_cache`` off): nothing to drop
+    strategy.generate(prompt, gen)
+
+
 @pytest.mark.parametrize("seed", [3, 9])
 @pytest.mark.parametrize("slope", [0.0, 0.01])
 def test_greedy_trees_stay_plain_greedy_with_online_costs(seed, slope):

@@ -163,6 +163,27 @@ def _cost_model(raw: dict[str, Any]) -> CostModel:
     return costs
 
 
+#: a sequence whose one-row verify passes ran below this fraction of the cached measurement's (the online fit's
+#: intercept scale, averaged over at least ``LOADED_MIN_PASSES`` passes) shows that measurement was timed on a
+#: busier machine (seen: costs timed while a store build held both cores, ~1.5x too high, shaped every tree of the
+#: day on the quiet machine until the file was deleted); passes slower than measured prove nothing (a busy moment
+#: now, or contexts longer than the measurement's 128 tokens)
+LOADED_SCALE = 0.8
+LOADED_MIN_PASSES = 16
+
+
+def drop_loaded_costs(path: Path | None, scale: float | None, passes: int) -> bool:
+    """Delete the cached costs at ``path`` when a sequence's own passes ran at ``scale`` (< ``LOADED_SCALE``, over
+    ``passes`` >= ``LOADED_MIN_PASSES``) of their one-row cost, so that the next build measures again; this run has
+    corrected them online already. Returns whether the file was dropped."""
+    if path is None or scale is None or passes < LOADED_MIN_PASSES or scale >= LOADED_SCALE:
+        return False
+    with contextlib.suppress(OSError):  # another process dropped it first, or a read-only cache
+        path.unlink()
+        return True
+    return False
+
+
 def cached_costs(path: Path, measure: Callable[[], C], parse: Callable[[dict[str, Any]], C] = _cost_model) -> C:  # type: ignore[assignment]
     """The costs stored at ``path`` if fresh and well-formed (``parse`` raises otherwise), else
     ``measure()`` stored there atomically.

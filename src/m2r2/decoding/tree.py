@@ -55,7 +55,7 @@ from m2r2.decoding.base import (
     begin,
     warp_probs,
 )
-from m2r2.decoding.costs import cached_costs, check_verify_curve, cost_cache_path
+from m2r2.decoding.costs import cached_costs, check_verify_curve, cost_cache_path, drop_loaded_costs
 from m2r2.decoding.lookup import LookupStats, NgramIndex
 from m2r2.errors import SettingsError
 from m2r2.kernels import head_argmax
@@ -63,6 +63,8 @@ from m2r2.model import ROW_INVARIANT_MAX_ROWS, Transformer
 from m2r2.multirate.seeded import SeededFastStream, TreeLimits
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from torch import nn
 
     from m2r2.cache import Conversation, KVCache
@@ -395,6 +397,9 @@ class TreeSpeculative:
         #: fast stream (is kept even where the full model disagrees); None or >= 1: lossless
         self.exit_threshold = exit_threshold if exit_threshold is not None and exit_threshold < 1 else None
         self.last_cache: KVCache | None = None
+        #: where ``costs`` are cached (:func:`m2r2.decoding.costs.cached_costs`), to drop when a sequence shows
+        #: them timed on a busier machine (:func:`m2r2.decoding.costs.drop_loaded_costs`); None: not cached
+        self.cost_file: Path | None = None
 
     def seed_state(self, h: Tensor, layers: list[Tensor] | None, i: int) -> Tensor:
         """What the next tree starts from, for row ``i`` of a pass's final states ``h`` ``[1, T, d]``: that
@@ -542,6 +547,8 @@ class TreeSpeculative:
         ntok = max(len(stopper.tokens), 1)
         passes, fit = state.passes, state.verify_fit
         n_layers = model.cfg.num_layers
+        if fit.used[0]:
+            drop_loaded_costs(self.cost_file, fit.used[1] / fit.used[0], fit.used[0])
         return GenerationResult(
             tokens=stopper.tokens,
             seconds=time.perf_counter() - t0,
@@ -928,7 +935,7 @@ def build_tree_speculative(
     ``lookup`` tokens of prompt lookup per round (0 = off; :mod:`m2r2.decoding.lookup`), lossy exits at
     ``exit_threshold`` (None = lossless)."""
     model = engine.model
-    costs = None
+    costs, path = None, None
     if adaptive:
 
         def measure() -> TreeCosts:
@@ -940,4 +947,6 @@ def build_tree_speculative(
     tok = engine.tokenizer
     store = answer_store_for(engine.fingerprint, answers) if lookup else None
     tree = (max_nodes, max_depth, width, branch, costs, lookup, exit_threshold, store, online_costs)
-    return TreeSpeculative(name, model, drafter, tok.eos_ids, tok.decode, *tree)
+    spec = TreeSpeculative(name, model, drafter, tok.eos_ids, tok.decode, *tree)
+    spec.cost_file = path if cost_cache else None
+    return spec
