@@ -423,3 +423,20 @@ def test_bf16_rows_bit_identical_to_one_token_steps(moe_dir) -> None:
         m(ids[:, :8], c2, 0)
         block = m(ids[:, 8:14], c2, 8)
     assert torch.equal(steps, block)
+
+
+def test_moefication_reads_conversations_in_the_chat_template(dense_dir: Path, tmp_path: Path) -> None:
+    """``{"messages": [...]}`` records (the shipped conversations MoEfication falls back to) become the token ids of
+    the whole conversation in the model's chat template, cut at ``max_len``; transformers 5 returns a BatchEncoding
+    there, whose iteration gave its keys (``m2r2 bench --suite moe`` failed on a fresh cache before this)."""
+    from m2r2.moe.moefy import read_sequences
+    from m2r2.tokenizer import ChatTokenizer
+
+    msgs = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "hi, what can I do?"}]
+    data = tmp_path / "conversations.jsonl"
+    data.write_text(json.dumps({"messages": msgs, "source": "test"}) + "\n" + json.dumps({"messages": msgs[:1]}) + "\n")
+    tok = ChatTokenizer(dense_dir)
+    whole, first = tok.encode_conversation(msgs), tok.encode_conversation(msgs[:1])
+    assert all(type(i) is int for i in whole) and first == whole[: len(first)] and len(whole) > len(first) > 4
+    assert read_sequences(data, 5, 10**6, dense_dir) == [whole, first]
+    assert read_sequences(data, 1, 4, dense_dir) == [whole[:4]]

@@ -40,18 +40,31 @@ class ChatTokenizer:
         for m in messages:
             check_utf8(m.get("content", ""))
         if self.hf.chat_template:
-            ids: Any = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-            return [int(i) for i in ids]
+            return token_ids(self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
         text = "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
         return self.encode(text)
+
+    def encode_conversation(self, messages: list[Message]) -> list[int]:
+        """Token ids of a whole conversation (user and assistant turns) in the chat template, without the
+        assistant-turn prompt: what a training store and MoEfication read from ``{"messages": [...]}`` records."""
+        msgs = [{"role": m["role"], "content": m["content"]} for m in messages]
+        if self.hf.chat_template:
+            return token_ids(self.hf.apply_chat_template(msgs, tokenize=True))
+        return self.encode("\n".join(f"{m['role']}: {m['content']}" for m in msgs))
 
     def encode(self, text: str) -> list[int]:
         return [int(i) for i in self.hf.encode(text, add_special_tokens=False)]
 
     def decode(self, ids: list[int]) -> str:
         return str(self.hf.decode(ids, skip_special_tokens=True))
+
+
+def token_ids(encoded: Any) -> list[int]:
+    """The ids of what ``apply_chat_template(..., tokenize=True)`` returns: a list, or (transformers 5) a
+    ``BatchEncoding`` whose iteration yields its keys, not ids."""
+    if isinstance(encoded, dict) or hasattr(encoded, "input_ids"):
+        encoded = encoded["input_ids"]
+    return [int(i) for i in encoded]
 
 
 def check_utf8(text: str) -> None:

@@ -243,8 +243,8 @@ def read_sequences(data: Path, limit: int, max_len: int, model_dir: Path | None 
     if rows and "messages" in rows[0] and model_dir is not None:
         from m2r2.tokenizer import ChatTokenizer
 
-        hf = ChatTokenizer(model_dir).hf
-        seqs = [[int(i) for i in hf.apply_chat_template(r["messages"], tokenize=True)][:max_len] for r in rows]
+        tok = ChatTokenizer(model_dir)
+        seqs = [tok.encode_conversation(r["messages"])[:max_len] for r in rows]
     else:
         seqs = [(r["prompt_ids"] + r["answer_ids"])[:max_len] for r in load_distilled(data)[:limit]]
     if not seqs:

@@ -352,18 +352,7 @@ def build_store(
 
 def chat_encoder(tokenizer: Any) -> Callable[[list[dict[str, str]]], list[int]]:
     """Whole conversations (user and assistant turns) in the model's chat template, as token ids."""
-    hf = tokenizer.hf
-
-    def encode(messages: list[dict[str, str]]) -> list[int]:
-        msgs = [{"role": m["role"], "content": m["content"]} for m in messages]
-        if hf.chat_template:
-            ids: Any = hf.apply_chat_template(msgs, tokenize=True)
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-            return [int(i) for i in ids]
-        return tokenizer.encode("\n".join(f"{m['role']}: {m['content']}" for m in msgs))
-
-    return encode
+    return tokenizer.encode_conversation  # type: ignore[no-any-return]
 
 
 def store_digest(root: Path) -> str:
