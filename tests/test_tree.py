@@ -102,6 +102,17 @@ def test_prompt_lookup_copies_are_accepted_and_the_output_stays_plain_greedy(fas
     sampled = GenerationConfig(max_new_tokens=40, temperature=0.8, seed=3)
     out = TreeSpeculative("m2r2", model, fast, [], None, 8, 4, 2, 2, lookup=6).generate(prompt, sampled)
     assert out.stats["copied_accepted_per_token"] == 0.0
+    # the ablation without the fast stream: copies alone, no draft level run, the same tokens
+    alone = TreeSpeculative("m2r2", model, fast, [], None, 8, 4, 2, 2, lookup=6, draft="never").generate(prompt, gen)
+    assert alone.tokens == ref.tokens and alone.stats["draft_layers_per_token"] == 0.0
+    assert alone.stats["copied_accepted_per_token"] > 0.1 and alone.stats["verify_passes"] < len(ref.tokens)
+    # drafting only where no copy is proposed: fewer draft levels than always, none where every round copies
+    uncopied = TreeSpeculative("m2r2", model, fast, [], None, 8, 4, 2, 2, lookup=6, draft="uncopied")
+    out = uncopied.generate(prompt, gen)
+    assert out.tokens == ref.tokens and out.stats["copied_accepted_per_token"] > 0.1
+    assert out.stats["draft_layers_per_token"] < copying.stats["draft_layers_per_token"]
+    with pytest.raises(SettingsError, match="draft must be one of"):
+        TreeSpeculative("m2r2", model, fast, [], None, draft="sometimes")
 
 
 def test_eos_inside_an_accepted_path_stops_where_plain_greedy_stops():

@@ -322,10 +322,14 @@ def _m2r2(
     answers: str | None = None,
     online_costs: bool = True,
     head_bits: int = 4,
+    draft: str = "always",
 ) -> SelfSpeculative | TreeSpeculative:
     """Seeded adapters (the shipped default where they exist) draft token trees; prefix adapters draft chains.
     ``online_costs``: trees correct the measured verify costs by each answer's own passes
-    (:class:`m2r2.decoding.tree.VerifyFit`). ``head_bits``: a seeded stream's draft head in the C++ kernels'
+    (:class:`m2r2.decoding.tree.VerifyFit`). ``draft``: when a tree's fast stream drafts: ``always`` (every round
+    while it pays), ``uncopied`` (only where prompt lookup and the answer store propose nothing), ``never`` (copies
+    alone: what the stream adds beside them).
+    ``head_bits``: a seeded stream's draft head in the C++ kernels'
     4-bit blocks (4, the default) or 8-bit ones (8): half the bytes a draft reads (the start of a drafting round
     0.099 -> 0.078 of a step, a level 0.025 -> 0.022) for 0.012 less agreement at the first draft; drafts only,
     the output is the same (BENCHMARKS.md, "Thirty-third round")."""
@@ -339,7 +343,7 @@ def _m2r2(
     if isinstance(fast, SeededFastStream):
         drafter = SeededDrafter(fast.to(engine.model.device).freeze(merge=True, head_bits=head_bits))
         tree = (max_nodes, max_depth, width, branch, lookup)
-        extra = {"answers": answers, "online_costs": online_costs}
+        extra = {"answers": answers, "online_costs": online_costs, "draft": draft}
         return build_tree_speculative("m2r2", engine, drafter, adaptive, cost_cache, *tree, **extra)
     return build_self_speculative("m2r2", engine, fast, max_draft, stop_below, use_arla, adaptive, cost_cache)
 

@@ -210,6 +210,11 @@ class VerifyFit:
         return TreeCosts([s[0] * d for d in costs.draft], verify, s[0] * costs.start)
 
 
+#: when a tree's drafter drafts: every round (while its wall-clock gain pays, :meth:`TreeSpeculative._worth_drafting`),
+#: only in rounds where neither prompt lookup nor the answer store proposes a chain, or never (copies alone: what the
+#: drafter adds beside them)
+DRAFT_WHEN = ("always", "uncopied", "never")
+
 #: where a sequence's answer-store calibration starts: replayed on MT-Bench answers, a store token was
 #: right 0.6-0.8 times as often as its share says (experiments/answer_store_replay.out.txt)
 ANSWER_CALIB = 0.75
@@ -375,6 +380,7 @@ class TreeSpeculative:
         exit_threshold: float | None = None,
         answers: AnswerStore | None = None,
         online_costs: bool = True,
+        draft: str = "always",
     ) -> None:
         limit = min(CACHE_SLACK, ROW_INVARIANT_MAX_ROWS) - 1
         if not 1 <= max_nodes <= limit:
@@ -384,6 +390,8 @@ class TreeSpeculative:
                 raise SettingsError(f"{opt} must be in 1..{limit}, got {val}")
         if not 0 <= lookup <= limit:
             raise SettingsError(f"lookup must be in 0..{limit} (0 = off), got {lookup}")
+        if draft not in DRAFT_WHEN:
+            raise SettingsError(f"draft must be one of {', '.join(DRAFT_WHEN)}, got {draft!r}")
         if isinstance(drafter, SeededFastStream):
             drafter = SeededDrafter(drafter)
         self.name, self.model, self.drafter, self.eos_ids, self.decode = name, model, drafter, eos_ids, decode
@@ -391,6 +399,8 @@ class TreeSpeculative:
         self.costs, self.lookup, self.answers = costs, lookup, answers
         #: correct the measured verify costs by each sequence's own verify passes (:class:`VerifyFit`)
         self.online_costs = online_costs
+        #: when the drafter drafts (:data:`DRAFT_WHEN`)
+        self.draft_when = draft
         #: base layers whose outputs the drafter fuses into its seeds (a tapped seeded stream), else []
         self.taps: list[int] = list(getattr(drafter, "taps", []))
         #: lossy dynamic compute (``m2r2-dynamic``): a draft whose own probability reaches this exits at the
@@ -620,23 +630,29 @@ class TreeSpeculative:
         rows, steps = [0], 0
         costs = self.costs_for(state)
         tree = Tree([tok], [-1], [0], [1.0], [None])
-        if room > 0 and self._worth_drafting(state):
+        looked_chain: list[int] = []  # prompt lookup's proposal, else the answer store's (with its shares)
+        stored_chain: tuple[list[int], list[float]] = ([], [])
+        if state.context is not None:  # prompt lookup: the root joins the context, its continuation is proposed
+            state.context.extend([tok])
+            k = min(self.lookup, room) if gen.greedy else 0
+            looked_chain = state.context.propose(k) if k > 0 else []
+            if k > 0 and self.answers is not None and not looked_chain:  # the model's phrasing
+                stored_chain = self.answers.propose(state.context.tokens, k)
+        copied = bool(looked_chain or stored_chain[0])
+        when = self.draft_when
+        if room > 0 and (when == "always" or (when == "uncopied" and not copied)) and self._worth_drafting(state):
             tree = self.draft(state.h_last, tok, cache, room, gen, state.calib, costs)
             steps = max(tree.depths)
             state.draft_steps += steps
         looked: list[int] = []  # prompt lookup's chain (nodes)
         stored: list[tuple[int, float]] = []  # the answer store's chain: (node, product of shares up to it)
-        if state.context is not None:  # prompt lookup: the root joins the context, its continuation is proposed
-            state.context.extend([tok])
-            k = min(self.lookup, room) if gen.greedy else 0
-            chain = state.context.propose(k) if k > 0 else []
-            if chain:
-                looked = tree.add_copies(chain, state.copies.path_probs(len(chain)))
-            if k > 0 and self.answers is not None and not chain:  # the model's phrasing, as sure as the store is
-                chain, shares = self.answers.propose(state.context.tokens, k)
-                sure = list(itertools.accumulate(shares, lambda a, b: a * b))
-                nodes = tree.add_copies(chain, [min(1.0, state.answer_calib * p) for p in sure])
-                stored = list(zip(nodes, sure, strict=True))
+        if looked_chain:
+            looked = tree.add_copies(looked_chain, state.copies.path_probs(len(looked_chain)))
+        elif stored_chain[0]:  # as sure as the store is
+            chain, shares = stored_chain
+            sure = list(itertools.accumulate(shares, lambda a, b: a * b))
+            nodes = tree.add_copies(chain, [min(1.0, state.answer_calib * p) for p in sure])
+            stored = list(zip(nodes, sure, strict=True))
         if len(tree.tokens) > 1:
             rows = self.choose(tree, room, state.calib, steps, costs) if gen.greedy else self._chain(tree, room)
         n_rows = len(rows)
@@ -928,6 +944,7 @@ def build_tree_speculative(
     exit_threshold: float | None = None,
     answers: str | None = None,
     online_costs: bool = True,
+    draft: str = "always",
 ) -> TreeSpeculative:
     """A :class:`TreeSpeculative` drafting with ``drafter`` (in its inference form) and measured costs
     (``adaptive``; kept per machine and drafter shape in ``$M2R2_CACHE/costs`` for a day when ``cost_cache``;
@@ -946,7 +963,7 @@ def build_tree_speculative(
         costs = cached_costs(path, measure, _tree_costs) if cost_cache else measure()
     tok = engine.tokenizer
     store = answer_store_for(engine.fingerprint, answers) if lookup else None
-    tree = (max_nodes, max_depth, width, branch, costs, lookup, exit_threshold, store, online_costs)
+    tree = (max_nodes, max_depth, width, branch, costs, lookup, exit_threshold, store, online_costs, draft)
     spec = TreeSpeculative(name, model, drafter, tok.eos_ids, tok.decode, *tree)
     spec.cost_file = path if cost_cache else None
     return spec
