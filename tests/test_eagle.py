@@ -259,13 +259,13 @@ def test_training_on_a_store_runs_resumes_bit_for_bit_and_learns(tmp_path, tiny_
     from m2r2.engine import Engine
     from m2r2.training.eagle_train import EagleTrainSettings, eagle_losses, train_eagle
     from m2r2.training.seeded_train import pad_batch
-    from m2r2.training.store import StoreSettings, TrainStore, build_store, chat_encoder
+    from m2r2.training.store import StoreSettings, TrainStore, build_store
 
     e = Engine(str(tiny_model(0)), dtype="fp32", quiet=True)
     data = tmp_path / "conv.jsonl"
     _conversations(data, 40)
     s = StoreSettings(data=str(data), max_len=48, batch=8, shard_sequences=16, kv_layers=1)
-    build_store(e.model, e.fingerprint, chat_encoder(e.tokenizer), tmp_path / "store", s)
+    build_store(e.model, e.fingerprint, e.tokenizer.encode_conversation, tmp_path / "store", s)
     store = TrainStore(tmp_path / "store", e.fingerprint)
     seqs = [q for i in range(len(store.shards)) for q in store.sequences(store.load_shard(i, kv=False))]
     probe = pad_batch(seqs[4:20], 0)

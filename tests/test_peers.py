@@ -228,14 +228,13 @@ def test_draft_file_round_trip_and_refusal_for_another_base_model(tmp_path):
 def test_draft_training_on_a_store_learns_resumes_and_drafts(tmp_path, tiny_model):
     from m2r2.engine import Engine
     from m2r2.training.draft_train import DraftTrainSettings, train_draft
-    from m2r2.training.store import StoreSettings, build_store, chat_encoder
+    from m2r2.training.store import StoreSettings, build_store
 
     e = Engine(str(tiny_model(0)), dtype="fp32", quiet=True)
     data = tmp_path / "conv.jsonl"
     _conversations(data, 24)
-    build_store(
-        e.model, e.fingerprint, chat_encoder(e.tokenizer), tmp_path / "store", StoreSettings(str(data), 32, kv_layers=1)
-    )
+    settings = StoreSettings(str(data), 32, kv_layers=1)
+    build_store(e.model, e.fingerprint, e.tokenizer.encode_conversation, tmp_path / "store", settings)
     losses: list[float] = []
 
     def run(out: str, steps: int, resume: bool = False, log=None):

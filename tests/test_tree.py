@@ -473,7 +473,7 @@ def _conversations(path, n: int) -> None:
 def _engine_and_store(tmp_path, tiny_model):
     """The tiny model's engine and a training store (K/V of its last layer) of 9 conversations at tmp_path/st."""
     from m2r2.engine import Engine
-    from m2r2.training.store import StoreSettings, build_store, chat_encoder
+    from m2r2.training.store import StoreSettings, build_store
 
     e = Engine(str(tiny_model(0)), dtype="fp32", quiet=True)
     conv = tmp_path / "conv.jsonl"
@@ -481,7 +481,7 @@ def _engine_and_store(tmp_path, tiny_model):
     build_store(
         e.model,
         e.fingerprint,
-        chat_encoder(e.tokenizer),
+        e.tokenizer.encode_conversation,
         tmp_path / "st",
         StoreSettings(data=str(conv), max_len=32, kv_layers=1),
     )
@@ -491,12 +491,12 @@ def _engine_and_store(tmp_path, tiny_model):
 def test_store_resumes_after_a_kill_without_duplicates_and_refuses_bad_stores(tmp_path, tiny_model):
     from m2r2.engine import Engine
     from m2r2.machine import cpu_has
-    from m2r2.training.store import StoreSettings, TrainStore, build_store, chat_encoder, store_precision
+    from m2r2.training.store import StoreSettings, TrainStore, build_store, store_precision
 
     data = tmp_path / "conv.jsonl"
     _conversations(data, 23)
     e = Engine(str(tiny_model(0)), dtype="fp32", quiet=True)
-    enc = chat_encoder(e.tokenizer)
+    enc = e.tokenizer.encode_conversation
     s = StoreSettings(data=str(data), max_len=32, batch=3, shard_sequences=5, kv_layers=1)
     one = build_store(e.model, e.fingerprint, enc, tmp_path / "whole", s)
     # a "killed" build: stopped after 2 shards, then resumed
@@ -563,7 +563,7 @@ def test_certified_head_argmax_equals_row_by_row_argmax(kernel):
 def test_store_takes_the_models_own_answers_and_training_reads_several_stores(tmp_path, tiny_model, bf16):
     from m2r2.engine import Engine
     from m2r2.training.seeded_train import SeededTrainSettings, chain_losses, pad_batch, targets, train_seeded
-    from m2r2.training.store import StoreSettings, TrainStore, build_store, chat_encoder
+    from m2r2.training.store import StoreSettings, TrainStore, build_store
 
     e = Engine(str(tiny_model(0)), dtype="fp32", quiet=True)
     conv, own = tmp_path / "conv.jsonl", tmp_path / "answers.jsonl"
@@ -574,7 +574,7 @@ def test_store_takes_the_models_own_answers_and_training_reads_several_stores(tm
                 json.dumps({"id": f"o:{i}", "source": "lima", "prompt_ids": [1, 5, 7], "answer_ids": [9] * (i + 2)})
             )
             f.write("\n")
-    enc = chat_encoder(e.tokenizer)
+    enc = e.tokenizer.encode_conversation
     for data, out in ((conv, "a"), (own, "b")):
         build_store(e.model, e.fingerprint, enc, tmp_path / out, StoreSettings(data=str(data), max_len=32, kv_layers=2))
     b = TrainStore(tmp_path / "b", e.fingerprint)
@@ -679,12 +679,12 @@ def test_a_tapped_stream_starts_at_its_plain_stream_and_trains_on_the_stores_tap
     store without those taps is refused."""
     from m2r2.engine import Engine
     from m2r2.training.seeded_train import SeededTrainSettings, train_seeded
-    from m2r2.training.store import StoreSettings, TrainStore, build_store, chat_encoder
+    from m2r2.training.store import StoreSettings, TrainStore, build_store
 
     e = Engine(str(tiny_model(0)), dtype="fp32", quiet=True)
     conv = tmp_path / "conv.jsonl"
     _conversations(conv, 9)
-    enc = chat_encoder(e.tokenizer)
+    enc = e.tokenizer.encode_conversation
     build_store(
         e.model, e.fingerprint, enc, tmp_path / "t", StoreSettings(str(conv), max_len=32, kv_layers=1, taps=[0])
     )
@@ -795,7 +795,7 @@ def test_bad_taps_are_refused_before_any_work(tmp_path, tiny_model, capsys):
     refused by the store (before its base pass) and by a stream's config."""
     from m2r2.cli import main
     from m2r2.engine import Engine
-    from m2r2.training.store import StoreSettings, build_store, chat_encoder
+    from m2r2.training.store import StoreSettings, build_store
 
     with pytest.raises(SystemExit) as exc:
         main(["store", "--taps", "7,x", "--out", str(tmp_path / "s")])
@@ -807,7 +807,7 @@ def test_bad_taps_are_refused_before_any_work(tmp_path, tiny_model, capsys):
         build_store(
             e.model,
             e.fingerprint,
-            chat_encoder(e.tokenizer),
+            e.tokenizer.encode_conversation,
             tmp_path / "s",
             StoreSettings(str(conv), kv_layers=1, taps=[99]),
         )
@@ -867,7 +867,7 @@ def test_a_store_built_on_the_decoding_kernel_holds_each_sequence_s_own_pass_and
     stored sequence must hold the bits of a decoding-kernel pass over it alone and of its one-token steps, whatever
     the store's batch; a resume on another kernel is refused."""
     from m2r2.engine import Engine
-    from m2r2.training.store import StoreSettings, TrainStore, build_store, chat_encoder
+    from m2r2.training.store import StoreSettings, TrainStore, build_store
 
     d = tiny_model(hidden_size=64, intermediate_size=128, vocab_size=320, layers=3)
     e = Engine(str(d), dtype="bf16", kernel="auto", quiet=True)
@@ -875,7 +875,7 @@ def test_a_store_built_on_the_decoding_kernel_holds_each_sequence_s_own_pass_and
         pytest.skip(f"auto picks {e.kernel} here, not a 4-bit decoding kernel")
     data = tmp_path / "conv.jsonl"
     _conversations(data, 7)
-    enc = chat_encoder(e.tokenizer)
+    enc = e.tokenizer.encode_conversation
     s = StoreSettings(data=str(data), max_len=96, batch=3, kv_layers=1, precision="bf16", kernel=e.kernel)
     build_store(e.model, e.fingerprint, enc, tmp_path / "st", s)
     st = TrainStore(tmp_path / "st", e.fingerprint)

@@ -1123,7 +1123,7 @@ def cmd_store(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from m2r2.engine import Engine
-    from m2r2.training.store import StoreSettings, build_store, chat_encoder, store_precision
+    from m2r2.training.store import StoreSettings, build_store, store_precision
 
     data = Path(args.data)
     if not data.is_file():
@@ -1144,7 +1144,7 @@ def cmd_store(args: argparse.Namespace) -> int:
     man = build_store(
         engine.model,
         engine.fingerprint,
-        chat_encoder(engine.tokenizer),
+        engine.tokenizer.encode_conversation,
         Path(args.out),
         s,
         args.limit,

@@ -557,8 +557,8 @@ class TreeSpeculative:
         ntok = max(len(stopper.tokens), 1)
         passes, fit = state.passes, state.verify_fit
         n_layers = model.cfg.num_layers
-        if fit.used[0]:
-            drop_loaded_costs(self.cost_file, fit.used[1] / fit.used[0], fit.used[0])
+        scale_base = fit.used[1] / fit.used[0] if fit.used[0] else None  # the online correction, as it decided
+        drop_loaded_costs(self.cost_file, scale_base, fit.used[0])
         return GenerationResult(
             tokens=stopper.tokens,
             seconds=time.perf_counter() - t0,
@@ -594,7 +594,7 @@ class TreeSpeculative:
                 ),
                 **(
                     {  # the online correction of the verify costs, averaged over the passes it decided
-                        "verify_scale_base": fit.used[1] / fit.used[0] if fit.used[0] else None,
+                        "verify_scale_base": scale_base,
                         "verify_scale_row": fit.used[2] / fit.used[0] if fit.used[0] else None,
                         "verify_scaled_share": fit.used[0] / passes if passes else 0.0,
                     }

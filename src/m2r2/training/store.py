@@ -350,11 +350,6 @@ def build_store(
     return man
 
 
-def chat_encoder(tokenizer: Any) -> Callable[[list[dict[str, str]]], list[int]]:
-    """Whole conversations (user and assistant turns) in the model's chat template, as token ids."""
-    return tokenizer.encode_conversation  # type: ignore[no-any-return]
-
-
 def store_digest(root: Path) -> str:
     """A short hash naming a store's contents (for checkpoints trained on it)."""
     man = json.loads((Path(root) / "manifest.json").read_text())
