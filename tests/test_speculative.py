@@ -431,3 +431,26 @@ def test_cost_cache_reuses_fresh_measurements_and_remeasures_bad_ones(tmp_path, 
     # ...and m2r2's own code: an edit (a faster verify pass) measures again
     monkeypatch.setattr(costs, "code_stamp", lambda: "edited")
     assert costs.cost_cache_path(FakeEngine(), fast_stream(model, 2, 0.0, 0), 8) != a  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+def test_real_model_m2r2_keeps_its_draft_ledger_for_the_next_process(real_engine_bf16):
+    """The default ``draft="pays"``: what drafting has bought is kept beside the tree's measured costs after every
+    answer, so that a one-shot ``m2r2 generate`` starts from the answers before it; the answer stays vanilla's
+    whichever rounds draft, and ``always`` / ``never`` give it too."""
+    from m2r2.decoding.tree import DraftLedger
+    from m2r2.tokenizer import messages_for
+
+    e = real_engine_bf16
+    gen = GenerationConfig(max_new_tokens=40)
+    ids = e.tokenizer.encode_chat(messages_for("Name three colours and one thing of each colour."))
+    ref = e.generate_ids(ids, "vanilla", gen).tokens
+    strategy = e.strategy("m2r2")
+    assert strategy.draft_when == "pays" and strategy.ledger_file is not None
+    before = sum(strategy.ledger.rounds)
+    out = e.generate_ids(ids, "m2r2", gen)
+    assert out.tokens == ref and 0 <= out.stats["drafting_share"] <= 1
+    kept = DraftLedger.load(strategy.ledger_file)
+    assert kept.rounds == strategy.ledger.rounds and sum(kept.rounds) > before
+    for when in ("always", "never"):
+        assert e.generate_ids(ids, "m2r2", gen, draft=when).tokens == ref

@@ -107,8 +107,9 @@ def _add_gen_args(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="method option, repeatable (m2r2: adapters=PATH, max_nodes=8, width=2, branch=2, lookup=N "
         "(prompt-lookup tokens per round, 0 = off), adaptive=false, online_costs=false (keep the measured verify "
-        "costs, not corrected by the answer's own passes), draft=always|uncopied|never (when the fast stream drafts: "
-        "every round, only where no copy is proposed, or never: copies alone); prefix adapters: max_draft=8, "
+        "costs, not corrected by the answer's own passes), draft=pays|always|uncopied|never (when the fast stream "
+        "drafts: where its own tokens have paid for its time, the default; every round; only where no copy is "
+        "proposed; or never: copies alone); prefix adapters: max_draft=8, "
         "stop_below=0.2; "
         "medusa, eagle: adapters=PATH (Medusa heads, EAGLE head), max_nodes=8, width=2, branch=2, lookup=N; "
         "lookahead: window=5, ngram=4, candidates=5; hf-early-exit: exit_layer=10)",

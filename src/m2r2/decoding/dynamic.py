@@ -381,7 +381,9 @@ def _m2r2_dynamic(
     fast.to(engine.model.device).freeze(merge=True)
     if seeded:
         drafter = SeededDrafter(fast)
-        return build_tree_speculative("m2r2-dynamic", engine, drafter, lookup=DEFAULT_LOOKUP, exit_threshold=threshold)
+        return build_tree_speculative(  # every round drafts: its exits are the point, not only its accepted drafts
+            "m2r2-dynamic", engine, drafter, lookup=DEFAULT_LOOKUP, exit_threshold=threshold, draft="always"
+        )
     tok = engine.tokenizer
     pending = 16 if max_pending is None else max_pending
     return FastStreamExit(engine.model, fast, tok.eos_ids, tok.decode, threshold, exits, pending, backoff or 0)

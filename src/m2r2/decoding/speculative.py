@@ -322,13 +322,15 @@ def _m2r2(
     answers: str | None = None,
     online_costs: bool = True,
     head_bits: int = 4,
-    draft: str = "always",
+    draft: str = "pays",
 ) -> SelfSpeculative | TreeSpeculative:
     """Seeded adapters (the shipped default where they exist) draft token trees; prefix adapters draft chains.
     ``online_costs``: trees correct the measured verify costs by each answer's own passes
-    (:class:`m2r2.decoding.tree.VerifyFit`). ``draft``: when a tree's fast stream drafts: ``always`` (every round
-    while it pays), ``uncopied`` (only where prompt lookup and the answer store propose nothing), ``never`` (copies
-    alone: what the stream adds beside them).
+    (:class:`m2r2.decoding.tree.VerifyFit`). ``draft``: when a tree's fast stream drafts: ``pays`` (the default: in
+    the kinds of round, with a copied chain proposed or without, where its own accepted tokens have paid for its
+    marginal wall clock over every answer so far, :class:`m2r2.decoding.tree.DraftLedger`), ``always`` (every round
+    while it gains more than a plain round costs), ``uncopied`` (only where prompt lookup and the answer store
+    propose nothing), ``never`` (copies alone: what the stream adds beside them).
     ``head_bits``: a seeded stream's draft head in the C++ kernels'
     4-bit blocks (4, the default) or 8-bit ones (8): half the bytes a draft reads (the start of a drafting round
     0.099 -> 0.078 of a step, a level 0.025 -> 0.022) for 0.012 less agreement at the first draft; drafts only,

@@ -34,7 +34,9 @@ where the full model disagrees: docs/DYNAMIC.md.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import json
 import math
 import time
 from collections.abc import Callable
@@ -58,6 +60,7 @@ from m2r2.decoding.base import (
 from m2r2.decoding.costs import cached_costs, check_verify_curve, cost_cache_path, drop_loaded_costs
 from m2r2.decoding.lookup import LookupStats, NgramIndex
 from m2r2.errors import SettingsError
+from m2r2.files import atomic_text
 from m2r2.kernels import head_argmax
 from m2r2.model import ROW_INVARIANT_MAX_ROWS, Transformer
 from m2r2.multirate.seeded import SeededFastStream, TreeLimits
@@ -210,10 +213,109 @@ class VerifyFit:
         return TreeCosts([s[0] * d for d in costs.draft], verify, s[0] * costs.start)
 
 
+class DraftLedger:
+    """What drafting has bought, over a strategy's whole life (every answer it gives, and the processes before it:
+    :meth:`save`), for each kind of round: with a copied chain proposed (prompt lookup or the answer store) or
+    without. A drafting round adds the tokens only the drafter's nodes gave (accepted nodes no copy proposed) for its
+    marginal seconds: its wall clock less what a round that drafted nothing took with the rows the copies alone would
+    have been given (a running mean per row count); every round adds what it gave, or would have given, without
+    drafting. Drafting pays in a kind of round while its marginal tokens a second beat those rounds' own rate.
+
+    Why: beside the copies the fast stream can cost more than it adds (SmolLM2-135M on a 2-vCPU Xeon: copies alone
+    took 2.6-6.6% less time on MT-Bench 60 in seven runs; a drafting round with no copy gave 0.96 tokens per plain
+    round's time, ``experiments/drafting_rounds.py``) or much less (Qwen2.5-Coder-0.5B: 1.51x against 1.28x), and
+    that varies with the model, the machine and the threads. A per-answer choice by whole rounds' wall clock could
+    not see a few-percent difference within one answer's 60-100 rounds (BENCHMARKS.md "Thirty-seventh round"); here
+    the drafter's tokens are counts, its cost is taken against like rounds, and both accumulate across answers. The
+    margin is the wall clock's, not the cost model's: priced by the fitted verify costs, the drafted rows and the
+    call came to about half of what drafting rounds really took (the draft leaves the next pass's weights colder,
+    and a tree's round does more work around its pass).
+
+    The drafter's sums decay by ``drafted_decay`` per drafting round of their kind and the rounds' own by ``decay``
+    per round, so the choice follows a drifting machine. Until ``trials`` drafting rounds of a kind are counted,
+    every third round of it does not draft (the undrafted rounds' times are the reference); after, the choice that
+    does not pay is taken every ``retry``-th round (which keeps both sides current)."""
+
+    decay = 0.998  # per round of the kind: the rounds' own rate
+    drafted_decay = 0.99  # per drafting round of the kind: the drafter's tokens and seconds
+    trials = 24
+    retry = 32
+    ref_decay = 0.9  # the running mean of undrafted rounds' seconds per row count (about the last 10)
+
+    def __init__(self) -> None:
+        #: per kind (0: no copy proposed, 1: a copy proposed): [drafter tokens, marginal seconds, tokens without
+        #: drafting, seconds without drafting]
+        self.sums = [[0.0] * 4 for _ in range(2)]
+        self.drafted = [0, 0]  # drafting rounds recorded, per kind
+        self.rounds = [0, 0]  # rounds decided, per kind
+        self.undrafted: dict[int, float] = {}  # rows -> running seconds of a round that drafted nothing
+
+    @classmethod
+    def load(cls, path: Path | None) -> DraftLedger:
+        """The ledger kept at ``path`` (:meth:`save`), or a fresh one where there is none or it is damaged."""
+        ledger = cls()
+        if path is None:
+            return ledger
+        try:
+            raw = json.loads(path.read_text())
+            sums = [[float(x) for x in kind] for kind in raw["sums"]]
+            drafted, rounds = [int(x) for x in raw["drafted"]], [int(x) for x in raw["rounds"]]
+            undrafted = {int(k): float(v) for k, v in raw["undrafted"].items()}
+            if [len(k) for k in sums] != [4, 4] or len(drafted) != 2 or len(rounds) != 2:
+                raise ValueError("wrong shape")
+            if not all(math.isfinite(x) for x in [*sums[0], *sums[1], *undrafted.values()]):
+                raise ValueError("not finite")
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return ledger
+        ledger.sums, ledger.drafted, ledger.rounds, ledger.undrafted = sums, drafted, rounds, undrafted
+        return ledger
+
+    def save(self, path: Path | None) -> None:
+        """Keep the ledger at ``path`` (atomically; a read-only cache only costs the next process its trials): a
+        one-shot ``m2r2 generate`` gives too few rounds to learn from, the answers before it did not."""
+        if path is None:
+            return
+        raw = {"sums": self.sums, "drafted": self.drafted, "rounds": self.rounds, "undrafted": self.undrafted}
+        with contextlib.suppress(OSError):
+            atomic_text(path, json.dumps(raw))
+
+    def pays(self, copied: bool) -> bool:
+        """Whether a round of this kind drafts: every third round does not until ``trials`` drafting rounds have been
+        counted, then the choice that pays, with the other taken every ``retry``-th round of the kind."""
+        k = int(copied)
+        self.rounds[k] += 1
+        if self.drafted[k] < self.trials:
+            return self.rounds[k] % 3 != 0
+        gain, extra, tokens, seconds = self.sums[k]
+        return (gain * seconds >= tokens * extra) != (self.rounds[k] % self.retry == 0)
+
+    def record(
+        self, copied: bool, tokens: int, seconds: float, rows: int, gain: int | None = None, alone: int = 1
+    ) -> None:
+        """A round of this kind emitted ``tokens`` in ``seconds`` over ``rows`` verify rows; if it drafted (``gain``
+        not None), ``gain`` of the tokens came from the drafter's own nodes and the copies alone would have been
+        given ``alone`` rows. A drafting round is only counted once an undrafted round of ``alone`` rows has been."""
+        k, sums = int(copied), self.sums[int(copied)]
+        if gain is None:
+            ref = self.undrafted.get(rows)
+            self.undrafted[rows] = seconds if ref is None else self.ref_decay * ref + (1 - self.ref_decay) * seconds
+        else:
+            ref = self.undrafted.get(alone)
+            if ref is None:
+                return
+            sums[0] = self.drafted_decay * sums[0] + gain
+            sums[1] = self.drafted_decay * sums[1] + seconds - ref
+            tokens, seconds = tokens - gain, ref
+            self.drafted[k] += 1
+        sums[2] = self.decay * sums[2] + tokens
+        sums[3] = self.decay * sums[3] + seconds
+
+
 #: when a tree's drafter drafts: every round (while its wall-clock gain pays, :meth:`TreeSpeculative._worth_drafting`),
-#: only in rounds where neither prompt lookup nor the answer store proposes a chain, or never (copies alone: what the
-#: drafter adds beside them)
-DRAFT_WHEN = ("always", "uncopied", "never")
+#: in the kinds of round where it has paid for its marginal time (``pays``, the default: :class:`DraftLedger`), only in
+#: rounds where neither prompt lookup nor the answer store proposes a chain, or never (copies alone: what the drafter
+#: adds beside them)
+DRAFT_WHEN = ("always", "pays", "uncopied", "never")
 
 #: where a sequence's answer-store calibration starts: replayed on MT-Bench answers, a store token was
 #: right 0.6-0.8 times as often as its share says (experiments/answer_store_replay.out.txt)
@@ -236,6 +338,7 @@ class TreeState:
     drafted: int = 0
     accepted: int = 0
     draft_steps: int = 0
+    draft_rounds: int = 0  # rounds whose drafter drafted
     context: NgramIndex | None = None  # prompt lookup: every token before the round's root
     copies: LookupStats = field(default_factory=LookupStats)
     #: the answer store's chains: a node's chance is this times the product of the shares up to it
@@ -380,7 +483,7 @@ class TreeSpeculative:
         exit_threshold: float | None = None,
         answers: AnswerStore | None = None,
         online_costs: bool = True,
-        draft: str = "always",
+        draft: str = "pays",
     ) -> None:
         limit = min(CACHE_SLACK, ROW_INVARIANT_MAX_ROWS) - 1
         if not 1 <= max_nodes <= limit:
@@ -399,8 +502,8 @@ class TreeSpeculative:
         self.costs, self.lookup, self.answers = costs, lookup, answers
         #: correct the measured verify costs by each sequence's own verify passes (:class:`VerifyFit`)
         self.online_costs = online_costs
-        #: when the drafter drafts (:data:`DRAFT_WHEN`)
-        self.draft_when = draft
+        #: when the drafter drafts (:data:`DRAFT_WHEN`); ``pays``: where the ledger says it has paid, over every answer
+        self.draft_when, self.ledger = draft, DraftLedger()
         #: base layers whose outputs the drafter fuses into its seeds (a tapped seeded stream), else []
         self.taps: list[int] = list(getattr(drafter, "taps", []))
         #: lossy dynamic compute (``m2r2-dynamic``): a draft whose own probability reaches this exits at the
@@ -410,6 +513,8 @@ class TreeSpeculative:
         #: where ``costs`` are cached (:func:`m2r2.decoding.costs.cached_costs`), to drop when a sequence shows
         #: them timed on a busier machine (:func:`m2r2.decoding.costs.drop_loaded_costs`); None: not cached
         self.cost_file: Path | None = None
+        #: where ``ledger`` is kept between processes (:meth:`DraftLedger.save`); None: not kept
+        self.ledger_file: Path | None = None
 
     def seed_state(self, h: Tensor, layers: list[Tensor] | None, i: int) -> Tensor:
         """What the next tree starts from, for row ``i`` of a pass's final states ``h`` ``[1, T, d]``: that
@@ -559,6 +664,8 @@ class TreeSpeculative:
         n_layers = model.cfg.num_layers
         scale_base = fit.used[1] / fit.used[0] if fit.used[0] else None  # the online correction, as it decided
         drop_loaded_costs(self.cost_file, scale_base, fit.used[0])
+        if self.draft_when == "pays":
+            self.ledger.save(self.ledger_file)
         return GenerationResult(
             tokens=stopper.tokens,
             seconds=time.perf_counter() - t0,
@@ -572,6 +679,7 @@ class TreeSpeculative:
                 "verify_passes_per_token": passes / ntok,
                 "copied_accepted_per_token": state.copied_accepted / ntok,
                 "draft_layers_per_token": state.draft_steps * self.drafter.layers_per_level / ntok,
+                "drafting_share": state.draft_rounds / passes if passes else 0.0,
                 **(
                     {  # as the pending-completion exits report them (m2r2.decoding.dynamic)
                         "exit_rate": state.exits / ntok,
@@ -639,20 +747,13 @@ class TreeSpeculative:
             if k > 0 and self.answers is not None and not looked_chain:  # the model's phrasing
                 stored_chain = self.answers.propose(state.context.tokens, k)
         copied = bool(looked_chain or stored_chain[0])
-        when = self.draft_when
-        if room > 0 and (when == "always" or (when == "uncopied" and not copied)) and self._worth_drafting(state):
+        drafting = room > 0 and self._draft_now(state, copied)
+        if drafting:
             tree = self.draft(state.h_last, tok, cache, room, gen, state.calib, costs)
             steps = max(tree.depths)
             state.draft_steps += steps
-        looked: list[int] = []  # prompt lookup's chain (nodes)
-        stored: list[tuple[int, float]] = []  # the answer store's chain: (node, product of shares up to it)
-        if looked_chain:
-            looked = tree.add_copies(looked_chain, state.copies.path_probs(len(looked_chain)))
-        elif stored_chain[0]:  # as sure as the store is
-            chain, shares = stored_chain
-            sure = list(itertools.accumulate(shares, lambda a, b: a * b))
-            nodes = tree.add_copies(chain, [min(1.0, state.answer_calib * p) for p in sure])
-            stored = list(zip(nodes, sure, strict=True))
+            state.draft_rounds += 1
+        looked, stored = self._copy_in(tree, state, looked_chain, stored_chain)
         if len(tree.tokens) > 1:
             rows = self.choose(tree, room, state.calib, steps, costs) if gen.greedy else self._chain(tree, room)
         n_rows = len(rows)
@@ -701,8 +802,44 @@ class TreeSpeculative:
             feats = torch.cat([state.h_last.reshape(1, -1), h[0].index_select(0, idx)])
             observe(cache, feats, [tree.tokens[r] for r in path], verified - 1)
         state.h_last = self.seed_state(h, layers, rows.index(path[-1]))
-        self._account(state, time.perf_counter() - started, n, n_rows, steps)
+        seconds = time.perf_counter() - started
+        self._account(state, seconds, n, n_rows, steps)
+        if self.draft_when == "pays" and room > 0:
+            if drafting:  # the drafter's own accepted nodes, and the rows the copies alone would have been given
+                alone = Tree([tok], [-1], [0], [1.0], [None])
+                self._copy_in(alone, state, looked_chain, stored_chain)
+                n_alone = len(self.choose(alone, room, state.calib, 0, costs)) if len(alone.tokens) > 1 else 1
+                gain = sum(1 for r in path[1:] if r not in tree.copy_probs)
+                self.ledger.record(copied, n + 1, seconds, n_rows, gain, n_alone)
+            else:
+                self.ledger.record(copied, n + 1, seconds, n_rows)
         return [*[tree.tokens[r] for r in path[1:]], nxt], n, n_rows - 1, accept_rate
+
+    @staticmethod
+    def _copy_in(
+        tree: Tree, state: TreeState, looked_chain: list[int], stored_chain: tuple[list[int], list[float]]
+    ) -> tuple[list[int], list[tuple[int, float]]]:
+        """Add a round's copied chain to ``tree``: prompt lookup's (priced by its hit rates by depth), else the answer
+        store's (as sure as the store is, calibrated per sequence). Returns lookup's nodes and the store's (each with
+        the product of shares up to it)."""
+        if looked_chain:
+            return tree.add_copies(looked_chain, state.copies.path_probs(len(looked_chain))), []
+        if not stored_chain[0]:
+            return [], []
+        chain, shares = stored_chain
+        sure = list(itertools.accumulate(shares, lambda a, b: a * b))
+        nodes = tree.add_copies(chain, [min(1.0, state.answer_calib * p) for p in sure])
+        return [], list(zip(nodes, sure, strict=True))
+
+    def _draft_now(self, state: TreeState, copied: bool) -> bool:
+        """Whether this round drafts (``copied``: prompt lookup or the answer store proposes a chain), as
+        :data:`DRAFT_WHEN` says."""
+        when = self.draft_when
+        if when == "never" or (when == "uncopied" and copied):
+            return False
+        if when == "pays":
+            return self.ledger.pays(copied)
+        return self._worth_drafting(state)
 
     def _count_exits(self, state: TreeState, tree: Tree, rows: list[int], path: list[int], out: Tensor) -> None:
         """Exits on ``path``: drafts at or above the threshold, and whether the full model agreed."""
@@ -944,7 +1081,7 @@ def build_tree_speculative(
     exit_threshold: float | None = None,
     answers: str | None = None,
     online_costs: bool = True,
-    draft: str = "always",
+    draft: str = "pays",
 ) -> TreeSpeculative:
     """A :class:`TreeSpeculative` drafting with ``drafter`` (in its inference form) and measured costs
     (``adaptive``; kept per machine and drafter shape in ``$M2R2_CACHE/costs`` for a day when ``cost_cache``;
@@ -966,4 +1103,7 @@ def build_tree_speculative(
     tree = (max_nodes, max_depth, width, branch, costs, lookup, exit_threshold, store, online_costs, draft)
     spec = TreeSpeculative(name, model, drafter, tok.eos_ids, tok.decode, *tree)
     spec.cost_file = path if cost_cache else None
+    if path is not None and cost_cache:  # what drafting has bought here, kept beside the costs it was bought at
+        spec.ledger_file = path.with_name(f"ledger-{path.name}")
+        spec.ledger = DraftLedger.load(spec.ledger_file)
     return spec
