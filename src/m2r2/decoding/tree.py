@@ -240,7 +240,7 @@ class DraftLedger:
     drafted_decay = 0.99  # per drafting round of the kind: the drafter's tokens and seconds
     trials = 24
     retry = 32
-    ref_decay = 0.9  # the running mean of undrafted rounds' seconds per row count (about the last 10)
+    ref_decay = 0.9  # the running mean of undrafted rounds' seconds per kind and row count (about the last 10)
 
     def __init__(self) -> None:
         #: per kind (0: no copy proposed, 1: a copy proposed): [drafter tokens, marginal seconds, tokens without
@@ -248,7 +248,9 @@ class DraftLedger:
         self.sums = [[0.0] * 4 for _ in range(2)]
         self.drafted = [0, 0]  # drafting rounds recorded, per kind
         self.rounds = [0, 0]  # rounds decided, per kind
-        self.undrafted: dict[int, float] = {}  # rows -> running seconds of a round that drafted nothing
+        #: "kind,rows" -> running seconds of a round of that kind and rows that drafted nothing (per kind: a round
+        #: with copies proposed but none verified is dearer than a plain one, and would flatter the drafter)
+        self.undrafted: dict[str, float] = {}
 
     @classmethod
     def load(cls, path: Path | None) -> DraftLedger:
@@ -260,7 +262,7 @@ class DraftLedger:
             raw = json.loads(path.read_text())
             sums = [[float(x) for x in kind] for kind in raw["sums"]]
             drafted, rounds = [int(x) for x in raw["drafted"]], [int(x) for x in raw["rounds"]]
-            undrafted = {int(k): float(v) for k, v in raw["undrafted"].items()}
+            undrafted = {f"{int(k)},{int(r)}": float(v) for k, r, v in _kind_rows(raw["undrafted"])}
             if [len(k) for k in sums] != [4, 4] or len(drafted) != 2 or len(rounds) != 2:
                 raise ValueError("wrong shape")
             if not all(math.isfinite(x) for x in [*sums[0], *sums[1], *undrafted.values()]):
@@ -294,13 +296,15 @@ class DraftLedger:
     ) -> None:
         """A round of this kind emitted ``tokens`` in ``seconds`` over ``rows`` verify rows; if it drafted (``gain``
         not None), ``gain`` of the tokens came from the drafter's own nodes and the copies alone would have been
-        given ``alone`` rows. A drafting round is only counted once an undrafted round of ``alone`` rows has been."""
+        given ``alone`` rows. A drafting round is only counted once an undrafted round of its kind and ``alone`` rows
+        has been."""
         k, sums = int(copied), self.sums[int(copied)]
         if gain is None:
-            ref = self.undrafted.get(rows)
-            self.undrafted[rows] = seconds if ref is None else self.ref_decay * ref + (1 - self.ref_decay) * seconds
+            key = f"{k},{rows}"
+            ref = self.undrafted.get(key)
+            self.undrafted[key] = seconds if ref is None else self.ref_decay * ref + (1 - self.ref_decay) * seconds
         else:
-            ref = self.undrafted.get(alone)
+            ref = self.undrafted.get(f"{k},{alone}")
             if ref is None:
                 return
             sums[0] = self.drafted_decay * sums[0] + gain
@@ -309,6 +313,11 @@ class DraftLedger:
             self.drafted[k] += 1
         sums[2] = self.decay * sums[2] + tokens
         sums[3] = self.decay * sums[3] + seconds
+
+
+def _kind_rows(raw: dict[str, object]) -> list[tuple[str, str, object]]:
+    """A kept ledger's ``undrafted`` keys ("kind,rows") split, with their values."""
+    return [(*key.split(","), v) for key, v in raw.items()]  # type: ignore[misc]
 
 
 #: when a tree's drafter drafts: every round (while its wall-clock gain pays, :meth:`TreeSpeculative._worth_drafting`),
