@@ -3,7 +3,8 @@ a warm-up, ``draft=uncopied``: the fast stream drafts only where prompt lookup a
 
 Per drafting round: the wall clock of the draft call and of the whole round, how many drafted rows the cost model
 chose, the first level's best probability, and the tokens the stream's nodes gave. Rounds are grouped by that first
-probability and by what the previous drafting round of the same answer gave, to see whether drafting could be skipped
+probability, by the full model's probability of the round's root token (computed outside the timed round) and by what
+the previous drafting round of the same answer gave: the last two are known before drafting, so they could skip it
 before its cost is paid. The plain rounds (no copy, no draft) of the same runs give a step's time in situ.
 
     python experiments/drafting_rounds.py [PROMPTS] [THREADS]
@@ -48,8 +49,25 @@ def choose(self, tree, *args, **kwargs):
     return rows
 
 
+one_seed = tree_mod.TreeSpeculative.seed_state
+last_row: list = [None]
+
+
+def seed_state(self, h, layers, i):
+    last_row[0] = h[:, i].clone()  # the root's row: its confidence is computed outside the timed round
+    return one_seed(self, h, layers, i)
+
+
+def root_confidence() -> float:
+    """The full model's probability of the next round's root token (its argmax at the last accepted row)."""
+    model = engine.model
+    logits = model.lm_head(model.norm(last_row[0])).float()
+    return float(logits.softmax(-1).max())
+
+
 def timed_round(self, state, *args):
     now.clear()
+    now["root_p"] = root_confidence()
     before = state.copied_accepted
     t = time.perf_counter()
     out = one_round(self, state, *args)
@@ -63,6 +81,7 @@ def timed_round(self, state, *args):
 
 tree_mod.TreeSpeculative.draft, tree_mod.TreeSpeculative.choose = draft, choose
 tree_mod.TreeSpeculative.round = timed_round
+tree_mod.TreeSpeculative.seed_state = seed_state
 for prompt in ids[1:]:
     engine.generate_ids(prompt, "m2r2", GEN, draft="uncopied")
 
@@ -99,6 +118,13 @@ print("|---|--:|--:|--:|--:|--:|--:|--:|")
 print(row("all", drafting))
 for lo, hi in ((0, 0.2), (0.2, 0.4), (0.4, 0.6), (0.6, 0.8), (0.8, 1.01)):
     print(row(f"first level's best {lo:.1f}-{min(hi, 1):.1f}", [r for r in drafting if lo <= r["p1"] < hi]))
+for lo, hi in ((0, 0.5), (0.5, 0.8), (0.8, 0.95), (0.95, 1.01)):
+    print(
+        row(
+            f"the root's full-model probability {lo:.2f}-{min(hi, 1):.2f}",
+            [r for r in drafting if lo <= r["root_p"] < hi],
+        )
+    )
 prev: dict[int, dict] = {}
 after = collections.defaultdict(list)
 for r in rounds:
