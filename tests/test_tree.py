@@ -116,25 +116,26 @@ def test_prompt_lookup_copies_are_accepted_and_the_output_stays_plain_greedy(fas
 
 
 def test_the_draft_ledger_drafts_where_the_drafters_own_tokens_have_paid_for_its_time(tmp_path):
-    """``draft="pays"``: per kind of round (a copy proposed or not), a drafting round's own tokens are weighed against
+    """``draft="pays"``: per kind of round (greedy with a copy proposed or not, sampled), a drafting round's own tokens
+    are weighed against
     its wall clock beyond an undrafted round of the rows the copies alone would have had; every third round skips
     until ``trials`` drafting rounds count, then the paying choice is taken with the other every ``retry``-th
     round. The ledger survives a process (``save``/``load``); a damaged file gives a fresh one."""
     ledger = DraftLedger()
-    ledger.record(True, 3, 0.007, 5, gain=1, alone=3)  # no undrafted round of 3 rows yet: not counted
-    assert ledger.drafted == [0, 0]
-    assert [ledger.pays(True) for _ in range(6)] == [True, True, False] * 2
+    ledger.record(1, 3, 0.007, 5, gain=1, alone=3)  # no undrafted round of 3 rows yet: not counted
+    assert ledger.drafted == [0, 0, 0]
+    assert [ledger.pays(1) for _ in range(6)] == [True, True, False] * 2
     for _ in range(ledger.trials):
         # with copies: 2 tokens in 4 ms over 3 rows (500 a second); drafting adds 1 token for 3 ms more (333)
-        ledger.record(True, 2, 0.004, 3)
-        ledger.record(True, 3, 0.007, 5, gain=1, alone=3)
+        ledger.record(1, 2, 0.004, 3)
+        ledger.record(1, 3, 0.007, 5, gain=1, alone=3)
         # without: a plain round, 1 token in 3 ms (333 a second); drafting adds 1 token for 1.5 ms more (667)
-        ledger.record(False, 1, 0.003, 1)
-        ledger.record(False, 2, 0.0045, 3, gain=1, alone=1)
-    assert ledger.drafted == [ledger.trials, ledger.trials]
-    copied = [ledger.pays(True) for _ in range(2 * ledger.retry)]  # rounds 7..70 of the kind: 32 and 64 draft
+        ledger.record(0, 1, 0.003, 1)
+        ledger.record(0, 2, 0.0045, 3, gain=1, alone=1)
+    assert ledger.drafted == [ledger.trials, ledger.trials, 0]
+    copied = [ledger.pays(1) for _ in range(2 * ledger.retry)]  # rounds 7..70 of the kind: 32 and 64 draft
     assert [i for i, c in enumerate(copied) if c] == [32 - 7, 64 - 7]
-    plain = [ledger.pays(False) for _ in range(2 * ledger.retry)]  # rounds 1..64: 32 and 64 skip
+    plain = [ledger.pays(0) for _ in range(2 * ledger.retry)]  # rounds 1..64: 32 and 64 skip
     assert [i for i, p in enumerate(plain) if not p] == [32 - 1, 64 - 1]
     path = tmp_path / "ledger-k.json"
     ledger.save(path)
@@ -145,16 +146,20 @@ def test_the_draft_ledger_drafts_where_the_drafters_own_tokens_have_paid_for_its
         ledger.rounds,
         ledger.undrafted,
     )
-    for damaged in ("{", '{"sums": [[1, 2]], "drafted": [0, 0], "rounds": [0, 0], "undrafted": {}}', "[]"):
+    two_kinds = '{"sums": [[0, 0, 0, 0], [0, 0, 0, 0]], "drafted": [0, 0], "rounds": [0, 0], "undrafted": {}}'
+    for damaged in ("{", '{"sums": [[1, 2]], "drafted": [0, 0], "rounds": [0, 0], "undrafted": {}}', "[]", two_kinds):
         path.write_text(damaged)
-        assert DraftLedger.load(path).drafted == [0, 0]
-    assert DraftLedger.load(tmp_path / "missing.json").drafted == [0, 0] and DraftLedger.load(None).sums[0][0] == 0
+        assert DraftLedger.load(path).drafted == [0, 0, 0]
+    assert DraftLedger.load(tmp_path / "missing.json").drafted == [0, 0, 0] and DraftLedger.load(None).sums[0][0] == 0
     # wired into a strategy: rounds of both kinds are counted, and the tokens stay plain greedy
     model = tiny_model(21)
     prompt, gen = [5, 9, 14, 2, 5, 9, 14, 2, 33], GenerationConfig(max_new_tokens=80)
     strategy = TreeSpeculative("m2r2", model, seeded_stream(model, 1, 0.0, 21, fold=True), [], None, lookup=6)
     assert strategy.generate(prompt, gen).tokens == Autoregressive(model, []).generate(prompt, gen).tokens
     assert strategy.draft_when == "pays" and strategy.ledger.rounds[1] > 0 and sum(strategy.ledger.drafted) > 0
+    greedy_rounds = strategy.ledger.rounds[:2]
+    strategy.generate(prompt, GenerationConfig(max_new_tokens=40, temperature=0.8, seed=3))  # sampled: a kind apart
+    assert strategy.ledger.rounds[2] > 0 and strategy.ledger.rounds[:2] == greedy_rounds
 
 
 def test_eos_inside_an_accepted_path_stops_where_plain_greedy_stops():

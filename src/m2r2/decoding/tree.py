@@ -213,13 +213,19 @@ class VerifyFit:
         return TreeCosts([s[0] * d for d in costs.draft], verify, s[0] * costs.start)
 
 
+#: the kinds of round a :class:`DraftLedger` keeps apart (indices): greedy without a copied chain, greedy with one, and
+#: sampled (the server's requests at a temperature: chains accepted by speculative sampling, never copied)
+ROUND_KINDS = ("greedy", "greedy, copied", "sampled")
+
+
 class DraftLedger:
     """What drafting has bought, over a strategy's whole life (every answer it gives, and the processes before it:
-    :meth:`save`), for each kind of round: with a copied chain proposed (prompt lookup or the answer store) or
-    without. A drafting round adds the tokens only the drafter's nodes gave (accepted nodes no copy proposed) for its
-    marginal seconds: its wall clock less what a round that drafted nothing took with the rows the copies alone would
-    have been given (a running mean per row count); every round adds what it gave, or would have given, without
-    drafting. Drafting pays in a kind of round while its marginal tokens a second beat those rounds' own rate.
+    :meth:`save`), for each kind of round (:data:`ROUND_KINDS`): greedy with a copied chain proposed (prompt lookup or
+    the answer store) or without, and sampled (never copied; its chains are accepted by another rule). A drafting
+    round adds the tokens only the drafter's nodes gave (accepted nodes no copy proposed) for its marginal seconds: its
+    wall clock less what a round of its kind that drafted nothing took with the rows the copies alone would have been
+    given (a running mean per row count); every round adds what it gave, or would have given, without drafting.
+    Drafting pays in a kind of round while its marginal tokens a second beat those rounds' own rate.
 
     Why: beside the copies the fast stream can cost more than it adds (SmolLM2-135M on a 2-vCPU Xeon: copies alone
     took 2.6-6.6% less time on MT-Bench 60 in seven runs; a drafting round with no copy gave 0.96 tokens per plain
@@ -245,9 +251,10 @@ class DraftLedger:
     def __init__(self) -> None:
         #: per kind (0: no copy proposed, 1: a copy proposed): [drafter tokens, marginal seconds, tokens without
         #: drafting, seconds without drafting]
-        self.sums = [[0.0] * 4 for _ in range(2)]
-        self.drafted = [0, 0]  # drafting rounds recorded, per kind
-        self.rounds = [0, 0]  # rounds decided, per kind
+        n = len(ROUND_KINDS)
+        self.sums = [[0.0] * 4 for _ in range(n)]
+        self.drafted = [0] * n  # drafting rounds recorded, per kind
+        self.rounds = [0] * n  # rounds decided, per kind
         #: "kind,rows" -> running seconds of a round of that kind and rows that drafted nothing (per kind: a round
         #: with copies proposed but none verified is dearer than a plain one, and would flatter the drafter)
         self.undrafted: dict[str, float] = {}
@@ -263,9 +270,10 @@ class DraftLedger:
             sums = [[float(x) for x in kind] for kind in raw["sums"]]
             drafted, rounds = [int(x) for x in raw["drafted"]], [int(x) for x in raw["rounds"]]
             undrafted = {f"{int(k)},{int(r)}": float(v) for k, r, v in _kind_rows(raw["undrafted"])}
-            if [len(k) for k in sums] != [4, 4] or len(drafted) != 2 or len(rounds) != 2:
+            n = len(ROUND_KINDS)
+            if [len(k) for k in sums] != [4] * n or len(drafted) != n or len(rounds) != n:
                 raise ValueError("wrong shape")
-            if not all(math.isfinite(x) for x in [*sums[0], *sums[1], *undrafted.values()]):
+            if not all(math.isfinite(x) for x in [*itertools.chain(*sums), *undrafted.values()]):
                 raise ValueError("not finite")
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return ledger
@@ -281,10 +289,10 @@ class DraftLedger:
         with contextlib.suppress(OSError):
             atomic_text(path, json.dumps(raw))
 
-    def pays(self, copied: bool) -> bool:
+    def pays(self, kind: int) -> bool:
         """Whether a round of this kind drafts: every third round does not until ``trials`` drafting rounds have been
         counted, then the choice that pays, with the other taken every ``retry``-th round of the kind."""
-        k = int(copied)
+        k = kind
         self.rounds[k] += 1
         if self.drafted[k] < self.trials:
             return self.rounds[k] % 3 != 0
@@ -292,13 +300,13 @@ class DraftLedger:
         return (gain * seconds >= tokens * extra) != (self.rounds[k] % self.retry == 0)
 
     def record(
-        self, copied: bool, tokens: int, seconds: float, rows: int, gain: int | None = None, alone: int = 1
+        self, kind: int, tokens: int, seconds: float, rows: int, gain: int | None = None, alone: int = 1
     ) -> None:
         """A round of this kind emitted ``tokens`` in ``seconds`` over ``rows`` verify rows; if it drafted (``gain``
         not None), ``gain`` of the tokens came from the drafter's own nodes and the copies alone would have been
         given ``alone`` rows. A drafting round is only counted once an undrafted round of its kind and ``alone`` rows
         has been."""
-        k, sums = int(copied), self.sums[int(copied)]
+        k, sums = kind, self.sums[kind]
         if gain is None:
             key = f"{k},{rows}"
             ref = self.undrafted.get(key)
@@ -756,7 +764,8 @@ class TreeSpeculative:
             if k > 0 and self.answers is not None and not looked_chain:  # the model's phrasing
                 stored_chain = self.answers.propose(state.context.tokens, k)
         copied = bool(looked_chain or stored_chain[0])
-        drafting = room > 0 and self._draft_now(state, copied)
+        kind = int(copied) if gen.greedy else 2  # ROUND_KINDS
+        drafting = room > 0 and self._draft_now(state, copied, kind)
         if drafting:
             tree = self.draft(state.h_last, tok, cache, room, gen, state.calib, costs)
             steps = max(tree.depths)
@@ -819,9 +828,9 @@ class TreeSpeculative:
                 self._copy_in(alone, state, looked_chain, stored_chain)
                 n_alone = len(self.choose(alone, room, state.calib, 0, costs)) if len(alone.tokens) > 1 else 1
                 gain = sum(1 for r in path[1:] if r not in tree.copy_probs)
-                self.ledger.record(copied, n + 1, seconds, n_rows, gain, n_alone)
+                self.ledger.record(kind, n + 1, seconds, n_rows, gain, n_alone)
             else:
-                self.ledger.record(copied, n + 1, seconds, n_rows)
+                self.ledger.record(kind, n + 1, seconds, n_rows)
         return [*[tree.tokens[r] for r in path[1:]], nxt], n, n_rows - 1, accept_rate
 
     @staticmethod
@@ -840,14 +849,14 @@ class TreeSpeculative:
         nodes = tree.add_copies(chain, [min(1.0, state.answer_calib * p) for p in sure])
         return [], list(zip(nodes, sure, strict=True))
 
-    def _draft_now(self, state: TreeState, copied: bool) -> bool:
-        """Whether this round drafts (``copied``: prompt lookup or the answer store proposes a chain), as
-        :data:`DRAFT_WHEN` says."""
+    def _draft_now(self, state: TreeState, copied: bool, kind: int) -> bool:
+        """Whether this round drafts (``copied``: prompt lookup or the answer store proposes a chain; ``kind``: the
+        ledger's, :data:`ROUND_KINDS`), as :data:`DRAFT_WHEN` says."""
         when = self.draft_when
         if when == "never" or (when == "uncopied" and copied):
             return False
         if when == "pays":
-            return self.ledger.pays(copied)
+            return self.ledger.pays(kind)
         return self._worth_drafting(state)
 
     def _count_exits(self, state: TreeState, tree: Tree, rows: list[int], path: list[int], out: Tensor) -> None:
