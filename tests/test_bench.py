@@ -309,11 +309,11 @@ def test_report_table_puts_the_drafting_counts_beside_the_timings() -> None:
         "methods": {
             "vanilla": {**base, "method": "vanilla"},
             "m2r2": {**base, "method": "m2r2", "mean_accepted": 1.5, "acceptance_rate": 0.25,
-                     "copied_accepted_per_token": 0.125, "draft_cost": 0.1},
+                     "copied_accepted_per_token": 0.125, "drafting_share": 0.375, "draft_cost": 0.1},
         }
     }  # fmt: skip
     lines = markdown_table(results).splitlines()
-    assert [c.strip() for c in lines[0].strip("|").split("|")][6:10] == [
-        "mean accepted", "acceptance", "copied/token", "draft cost",
+    assert [c.strip() for c in lines[0].strip("|").split("|")][6:11] == [
+        "mean accepted", "acceptance", "copied/token", "drafted", "draft cost",
     ]  # fmt: skip
-    assert "| - | - | - | - |" in lines[2] and "| 1.50 | 0.25 | 0.12 | 0.10 |" in lines[3]
+    assert "| - | - | - | - | - |" in lines[2] and "| 1.50 | 0.25 | 0.12 | 0.38 | 0.10 |" in lines[3]

@@ -21,12 +21,13 @@ def header_line(results: dict[str, Any]) -> str:
 def markdown_table(results: dict[str, Any]) -> str:
     """One row per (dataset, method); speedup and identical are against each run's first method. The
     noise-free counts of drafting methods sit beside the timings: tokens per verify pass (mean
-    accepted), drafts accepted / drafted, tokens per generated token taken from prompt-lookup copies,
-    and one draft level's cost in one-token steps as the method measured it."""
+    accepted), drafts accepted / drafted, tokens per generated token taken from prompt-lookup copies, the share of
+    verify passes whose round drafted (token trees draft only where it pays, ``draft=pays``), and one draft level's
+    cost in one-token steps as the method measured it."""
     rows = [
         "| dataset | method | tokens/s | speedup | identical | new tokens | mean accepted | acceptance "
-        "| copied/token | draft cost | seconds |",
-        "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+        "| copied/token | drafted | draft cost | seconds |",
+        "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
 
     def cell(m: dict[str, Any], key: str) -> str:
@@ -36,7 +37,8 @@ def markdown_table(results: dict[str, Any]) -> str:
         rows.append(
             f"| {m['dataset']} | {m['method']} | {m['tokens_per_s']:.1f} | {m['speedup']:.2f}x | "
             f"{m['identical']:.0%} | {m['mean_new_tokens']:.1f} | {cell(m, 'mean_accepted')} | "
-            f"{cell(m, 'acceptance_rate')} | {cell(m, 'copied_accepted_per_token')} | {cell(m, 'draft_cost')} | "
+            f"{cell(m, 'acceptance_rate')} | {cell(m, 'copied_accepted_per_token')} | {cell(m, 'drafting_share')} | "
+            f"{cell(m, 'draft_cost')} | "
             f"{m['total_seconds']:.1f} |"
         )
     return "\n".join(rows)
