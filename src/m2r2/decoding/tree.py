@@ -249,8 +249,8 @@ class DraftLedger:
     ref_decay = 0.9  # the running mean of undrafted rounds' seconds per kind and row count (about the last 10)
 
     def __init__(self) -> None:
-        #: per kind (0: no copy proposed, 1: a copy proposed): [drafter tokens, marginal seconds, tokens without
-        #: drafting, seconds without drafting]
+        #: per kind (:data:`ROUND_KINDS`): [drafter tokens, marginal seconds, tokens without drafting, seconds without
+        #: drafting]
         n = len(ROUND_KINDS)
         self.sums = [[0.0] * 4 for _ in range(n)]
         self.drafted = [0] * n  # drafting rounds recorded, per kind
@@ -292,12 +292,11 @@ class DraftLedger:
     def pays(self, kind: int) -> bool:
         """Whether a round of this kind drafts: every third round does not until ``trials`` drafting rounds have been
         counted, then the choice that pays, with the other taken every ``retry``-th round of the kind."""
-        k = kind
-        self.rounds[k] += 1
-        if self.drafted[k] < self.trials:
-            return self.rounds[k] % 3 != 0
-        gain, extra, tokens, seconds = self.sums[k]
-        return (gain * seconds >= tokens * extra) != (self.rounds[k] % self.retry == 0)
+        self.rounds[kind] += 1
+        if self.drafted[kind] < self.trials:
+            return self.rounds[kind] % 3 != 0
+        gain, extra, tokens, seconds = self.sums[kind]
+        return (gain * seconds >= tokens * extra) != (self.rounds[kind] % self.retry == 0)
 
     def record(
         self, kind: int, tokens: int, seconds: float, rows: int, gain: int | None = None, alone: int = 1
