@@ -255,9 +255,9 @@ class DraftLedger:
         self.sums = [[0.0] * 4 for _ in range(n)]
         self.drafted = [0] * n  # drafting rounds recorded, per kind
         self.rounds = [0] * n  # rounds decided, per kind
-        #: "kind,rows" -> running seconds of a round of that kind and rows that drafted nothing (per kind: a round
+        #: (kind, rows) -> running seconds of a round of that kind and rows that drafted nothing (per kind: a round
         #: with copies proposed but none verified is dearer than a plain one, and would flatter the drafter)
-        self.undrafted: dict[str, float] = {}
+        self.undrafted: dict[tuple[int, int], float] = {}
 
     @classmethod
     def load(cls, path: Path | None) -> DraftLedger:
@@ -269,7 +269,7 @@ class DraftLedger:
             raw = json.loads(path.read_text())
             sums = [[float(x) for x in kind] for kind in raw["sums"]]
             drafted, rounds = [int(x) for x in raw["drafted"]], [int(x) for x in raw["rounds"]]
-            undrafted = {f"{int(k)},{int(r)}": float(v) for k, r, v in _kind_rows(raw["undrafted"])}
+            undrafted = {(int(k), int(r)): float(v) for k, r, v in raw["undrafted"]}
             n = len(ROUND_KINDS)
             if [len(k) for k in sums] != [4] * n or len(drafted) != n or len(rounds) != n:
                 raise ValueError("wrong shape")
@@ -285,7 +285,8 @@ class DraftLedger:
         one-shot ``m2r2 generate`` gives too few rounds to learn from, the answers before it did not."""
         if path is None:
             return
-        raw = {"sums": self.sums, "drafted": self.drafted, "rounds": self.rounds, "undrafted": self.undrafted}
+        undrafted = [[k, r, v] for (k, r), v in self.undrafted.items()]
+        raw = {"sums": self.sums, "drafted": self.drafted, "rounds": self.rounds, "undrafted": undrafted}
         with contextlib.suppress(OSError):
             atomic_text(path, json.dumps(raw))
 
@@ -307,11 +308,10 @@ class DraftLedger:
         has been."""
         k, sums = kind, self.sums[kind]
         if gain is None:
-            key = f"{k},{rows}"
-            ref = self.undrafted.get(key)
-            self.undrafted[key] = seconds if ref is None else self.ref_decay * ref + (1 - self.ref_decay) * seconds
+            ref = self.undrafted.get((k, rows))
+            self.undrafted[k, rows] = seconds if ref is None else self.ref_decay * ref + (1 - self.ref_decay) * seconds
         else:
-            ref = self.undrafted.get(f"{k},{alone}")
+            ref = self.undrafted.get((k, alone))
             if ref is None:
                 return
             sums[0] = self.drafted_decay * sums[0] + gain
@@ -320,11 +320,6 @@ class DraftLedger:
             self.drafted[k] += 1
         sums[2] = self.decay * sums[2] + tokens
         sums[3] = self.decay * sums[3] + seconds
-
-
-def _kind_rows(raw: dict[str, object]) -> list[tuple[str, str, object]]:
-    """A kept ledger's ``undrafted`` keys ("kind,rows") split, with their values."""
-    return [(*key.split(","), v) for key, v in raw.items()]  # type: ignore[misc]
 
 
 #: when a tree's drafter drafts: every round (while its wall-clock gain pays, :meth:`TreeSpeculative._worth_drafting`),
@@ -763,8 +758,8 @@ class TreeSpeculative:
             if k > 0 and self.answers is not None and not looked_chain:  # the model's phrasing
                 stored_chain = self.answers.propose(state.context.tokens, k)
         copied = bool(looked_chain or stored_chain[0])
-        kind = int(copied) if gen.greedy else 2  # ROUND_KINDS
-        drafting = room > 0 and self._draft_now(state, copied, kind)
+        kind = int(copied) if gen.greedy else 2  # ROUND_KINDS (a sampled round is never copied)
+        drafting = room > 0 and self._draft_now(state, kind)
         if drafting:
             tree = self.draft(state.h_last, tok, cache, room, gen, state.calib, costs)
             steps = max(tree.depths)
@@ -848,11 +843,11 @@ class TreeSpeculative:
         nodes = tree.add_copies(chain, [min(1.0, state.answer_calib * p) for p in sure])
         return [], list(zip(nodes, sure, strict=True))
 
-    def _draft_now(self, state: TreeState, copied: bool, kind: int) -> bool:
-        """Whether this round drafts (``copied``: prompt lookup or the answer store proposes a chain; ``kind``: the
-        ledger's, :data:`ROUND_KINDS`), as :data:`DRAFT_WHEN` says."""
+    def _draft_now(self, state: TreeState, kind: int) -> bool:
+        """Whether a round of this kind (:data:`ROUND_KINDS`; 1: prompt lookup or the answer store proposes a chain)
+        drafts, as :data:`DRAFT_WHEN` says."""
         when = self.draft_when
-        if when == "never" or (when == "uncopied" and copied):
+        if when == "never" or (when == "uncopied" and kind == 1):
             return False
         if when == "pays":
             return self.ledger.pays(kind)
