@@ -36,6 +36,23 @@ def test_index_proposes_what_a_scan_of_the_context_finds(seed):
         assert index.propose(k) == _slow_propose(tokens, k, max_n, min_n)
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_a_proposal_after_one_more_token_is_what_extending_by_it_would_propose(seed):
+    """``propose_after(t, k)``: the next round's copy had this one emitted ``t`` alone (the draft ledger's
+    counterfactual), without touching the index; an occurrence that runs into ``t`` itself ends with it."""
+    rng = random.Random(seed)
+    max_n, min_n = rng.choice([(3, 2), (3, 1), (4, 3)])
+    tokens: list[int] = []
+    index = NgramIndex(max_n=max_n, min_n=min_n)
+    for _ in range(300):
+        t, k = rng.randrange(5), rng.randint(1, 8)
+        assert index.propose_after(t, k) == NgramIndex([*tokens, t], max_n, min_n).propose(k)
+        new = [rng.randrange(5) for _ in range(rng.randint(1, 3))]
+        tokens += new
+        index.extend(new)
+    assert NgramIndex([7, 7], 3, 2).propose_after(7, 4) == [7]  # (7, 7) ended at 2: nothing after it but t
+
+
 def test_index_copies_the_latest_occurrence_and_refuses_bad_sizes():
     index = NgramIndex([1, 2, 3, 4, 1, 2, 3, 9, 8, 1, 2, 3])
     assert index.propose(3) == [9, 8, 1]  # the later of the two earlier "1 2 3"

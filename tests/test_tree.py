@@ -14,6 +14,7 @@ from tests.test_speculative import _exact_marginal, tiny_model
 
 from m2r2.decoding.autoregressive import Autoregressive
 from m2r2.decoding.base import GenerationConfig
+from m2r2.decoding.lookup import NgramIndex
 from m2r2.decoding.tree import DraftLedger, Tree, TreeCosts, TreeSpeculative, TreeState, VerifyFit
 from m2r2.errors import InputError, SettingsError, WeightsError
 from m2r2.multirate.seeded import SeededConfig, SeededFastStream
@@ -160,6 +161,20 @@ def test_the_draft_ledger_drafts_where_the_drafters_own_tokens_have_paid_for_its
     greedy_rounds = strategy.ledger.rounds[:2]
     strategy.generate(prompt, GenerationConfig(max_new_tokens=40, temperature=0.8, seed=3))  # sampled: a kind apart
     assert strategy.ledger.rounds[2] > 0 and strategy.ledger.rounds[:2] == greedy_rounds
+
+
+def test_the_ledger_does_not_credit_drafts_the_next_rounds_copy_would_have_given():
+    """Had a drafting round emitted only its first token, the next round would have been offered a copy; the drafted
+    tokens after the first that this copy matches (and the round's next token) are not the drafter's gain."""
+    model = tiny_model(21)
+    strategy = TreeSpeculative("m2r2", model, seeded_stream(model, 1, 0.0, 21, fold=True), [], None, lookup=6)
+    state = TreeState(context=NgramIndex([5, 9, 14, 2, 8, 5, 9]))
+    # after 5 9 14: lookup copies "2 8 5 9"; the round drafted 14 2 8 and its next token was 5
+    assert strategy._copied_after(state, [14, 2, 8, 5], 6) == 3
+    assert strategy._copied_after(state, [14, 2, 7, 5], 6) == 1  # the copy is right once, then not
+    assert strategy._copied_after(state, [3, 2, 8], 6) == 0  # after "9 3" nothing is copied
+    assert strategy._copied_after(state, [14, 2, 8, 5, 9, 14, 3], 6) == 5  # the copy runs into 14, then ends
+    assert strategy._copied_after(TreeState(), [14, 2], 6) == 0  # no context: no copies
 
 
 def test_eos_inside_an_accepted_path_stops_where_plain_greedy_stops():

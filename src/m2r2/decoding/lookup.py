@@ -55,6 +55,19 @@ class NgramIndex:
                 return self.tokens[start : start + k]
         return []
 
+    def propose_after(self, token: int, k: int) -> list[int]:
+        """What :meth:`propose` would give once ``token`` is appended, without appending it (what the next round
+        would have been offered had this one emitted only ``token``)."""
+        end = len(self.tokens)
+        for n in range(min(self.max_n, end + 1), self.min_n - 1, -1):
+            start = self.ends.get((*self.tokens[end - n + 1 :], token))
+            if start is not None:
+                chain = self.tokens[start : start + k]
+                if len(chain) < k and start + len(chain) == end:  # the occurrence runs into the token itself
+                    chain.append(token)
+                return chain
+        return []
+
 
 @dataclass
 class LookupStats:
