@@ -134,10 +134,16 @@ def test_the_draft_ledger_drafts_where_the_drafters_own_tokens_have_paid_for_its
         ledger.record(0, 1, 0.003, 1)
         ledger.record(0, 2, 0.0045, 3, gain=1, alone=1)
     assert ledger.drafted == [ledger.trials, ledger.trials, 0]
-    copied = [ledger.pays(1) for _ in range(2 * ledger.retry)]  # rounds 7..70 of the kind: 32 and 64 draft
-    assert [i for i, c in enumerate(copied) if c] == [32 - 7, 64 - 7]
-    plain = [ledger.pays(0) for _ in range(2 * ledger.retry)]  # rounds 1..64: 32 and 64 skip
-    assert [i for i, p in enumerate(plain) if not p] == [32 - 1, 64 - 1]
+    # the retries come as many times rarer as one rate is the other: 500 / 333 = 1.5 with copies, 667 / 333 = 2 without
+    copied = [ledger.pays(1) for _ in range(4 * ledger.retry)]  # rounds 7..134 of the kind: 48 and 96 draft
+    assert [i for i, c in enumerate(copied) if c] == [48 - 7, 96 - 7]
+    plain = [ledger.pays(0) for _ in range(4 * ledger.retry)]  # rounds 1..128: 64 and 128 skip
+    assert [i for i, p in enumerate(plain) if not p] == [64 - 1, 128 - 1]
+    for _ in range(200):  # the drafter gives nothing beside copies: retried 16 times rarer, no more
+        ledger.record(1, 2, 0.004, 3)
+        ledger.record(1, 2, 0.007, 5, gain=0, alone=3)
+    later = [ledger.pays(1) for _ in range(2 * ledger.max_spread * ledger.retry)]
+    assert sum(later) == 2
     path = tmp_path / "ledger-k.json"
     ledger.save(path)
     kept = DraftLedger.load(path)
