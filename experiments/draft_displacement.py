@@ -36,18 +36,9 @@ rounds: dict[str, list[tuple[bool, bool, int, float, int]]] = {p: [] for p in po
 
 
 def covered(spec, context: list[int], emitted: list[int]) -> int:
-    """How many of ``emitted[1:]`` the copy offered after ``context + emitted[0]`` matches (computed from scratch,
-    independently of ``TreeSpeculative._copied_after``)."""
-    after = [*context, emitted[0]]
-    chain = NgramIndex(after).propose(DEFAULT_LOOKUP)
-    if not chain and spec.answers is not None:
-        chain = spec.answers.propose(after, DEFAULT_LOOKUP)[0]
-    m = 0
-    for want, got in zip(emitted[1:], chain, strict=False):
-        if want != got:
-            break
-        m += 1
-    return m
+    """How many of ``emitted[1:]`` the copy offered after ``context + emitted[0]`` matches: the ledger's own helper
+    (``TreeSpeculative._copied_after``) on an index built from scratch over the context before the round."""
+    return spec._copied_after(tree_mod.TreeState(context=NgramIndex(context)), emitted, DEFAULT_LOOKUP)
 
 
 one_round, one_copy_in = tree_mod.TreeSpeculative.round, tree_mod.TreeSpeculative._copy_in
