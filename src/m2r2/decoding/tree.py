@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import Tensor
 
-from m2r2.decoding.answer_store import AnswerStore, answer_store_for
+from m2r2.decoding.answer_store import ORDERS, AnswerStore, answer_store_for
 from m2r2.decoding.base import (
     CACHE_SLACK,
     GenerationConfig,
@@ -807,7 +807,7 @@ class TreeSpeculative:
         copied_on_path = sum(1 for r in path[1:] if r in tree.copy_probs)
         state.copied_accepted += copied_on_path
         displaced = 0  # of the drafter's tokens, those the next round's copy would have given had this one not drafted
-        if drafting and n and not copied_on_path and self.draft_when == "pays" and gen.greedy:
+        if drafting and n and not copied_on_path and self.draft_when == "pays":  # (a sampled round offers k = 0)
             displaced = self._copied_after(state, [*(tree.tokens[r] for r in path[1:]), nxt], k)
         if state.context is not None:
             state.context.extend([tree.tokens[r] for r in path[1:]])
@@ -867,7 +867,7 @@ class TreeSpeculative:
             return 0
         chain = state.context.propose_after(emitted[0], k)
         if not chain and self.answers is not None:
-            chain = self.answers.propose([*state.context.tokens, emitted[0]], k)[0]
+            chain = self.answers.propose([*state.context.tokens[-ORDERS[0] :], emitted[0]], k)[0]  # its n-grams' tail
         same = 0
         for want, got in zip(emitted[1:], chain, strict=False):
             if want != got:
