@@ -432,6 +432,7 @@ def test_avx512_row_attention_gives_the_avx2_attention_s_bits(threads: int) -> N
     g = torch.Generator().manual_seed(31)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
+    tiles = ext.set_amx_attention(False)  # the AMX scores sum in their own order (the next test)
     try:
         for (heads, kv_heads), d, s, t in itertools.product(
             [(9, 3), (14, 2), (4, 4), (8, 1)], [64, 128, 256], [1, 6, 53, 301], [1, 3, 6]
@@ -460,6 +461,56 @@ def test_avx512_row_attention_gives_the_avx2_attention_s_bits(threads: int) -> N
             assert torch.equal(on, ext.row_attention(q, cache, v.to(cache.dtype), mask, 0.125))
     finally:
         ext.set_avx512_attention(True)
+        ext.set_amx_attention(tiles)
+        torch.set_num_threads(before)
+
+
+@needs_avx2
+@pytest.mark.parametrize("threads", [1, 2])
+def test_amx_row_attention_keeps_each_row_s_bits_and_the_avx512_path_below_its_threshold(threads: int) -> None:
+    """On a CPU with AMX-BF16 a query vector that sees at least ``set_amx_attention_min_keys`` keys has its scores
+    summed on tiles (``attend_amx.cpp``), 16 keys by up to 16 vectors of a key head's rows at a time: every row of a
+    pass gets the bits of its lone call (lossless verification), for SmolLM2's, Qwen's and one-query-per-key layouts,
+    head sizes 64-256, tree masks and rows that see no key; the outputs stay within float32 rounding of the AVX-512
+    path's, and rows under the threshold keep that path's bits."""
+    ext = amx.avx2_extension()
+    if not ext.set_amx_attention(True):
+        ext.set_amx_attention(False)
+        pytest.skip("no AMX-BF16 on this CPU")
+    g = torch.Generator().manual_seed(37)
+    before, least_before = torch.get_num_threads(), ext.set_amx_attention_min_keys(512)
+    torch.set_num_threads(threads)
+    try:
+        for least in (1, 40, 512):
+            ext.set_amx_attention_min_keys(least)
+            for (heads, kv_heads), d, s, t in itertools.product(
+                [(9, 3), (14, 2), (4, 4), (8, 1)], [64, 128, 256], [6, 53, 301, 530], [1, 3, 6]
+            ):
+                q = (torch.randn(1, heads, t, d, generator=g) * 3).bfloat16().float()
+                k = (torch.randn(1, kv_heads, s, d, generator=g) * 2).bfloat16()
+                v = torch.randn(1, kv_heads, s, d, generator=g).bfloat16()
+                mask = torch.ones(1, t, s, dtype=torch.bool)
+                mask[..., s - t :] = torch.rand(t, t, generator=g).tril() < 0.6  # a tree over the pass's rows
+                mask[0, 0] = False  # a row that sees no key
+                tiled = ext.row_attention(q, k, v, mask, d**-0.5)
+                for r in range(t):
+                    alone = ext.row_attention(
+                        q[:, :, r : r + 1].contiguous(), k, v, mask[:, r : r + 1].contiguous(), d**-0.5
+                    )
+                    assert torch.equal(tiled[:, r : r + 1], alone), (least, heads, kv_heads, d, s, t, r)
+                assert not tiled[:, 0].any()
+                ext.set_amx_attention(False)
+                wide = ext.row_attention(q, k, v, mask, d**-0.5)
+                ext.set_amx_attention(True)
+                torch.testing.assert_close(tiled, wide, rtol=1e-5, atol=1e-5)
+                seen = mask[0].sum(-1)
+                for r in range(t):
+                    if seen[r] < least:
+                        assert torch.equal(tiled[:, r], wide[:, r]), (least, s, t, r)
+                if least == 1 and s > 6 and t > 1:  # not vacuous: the tiles' order of additions shows in some bits
+                    assert not torch.equal(tiled[:, 1:], wide[:, 1:])
+    finally:
+        ext.set_amx_attention_min_keys(least_before)
         torch.set_num_threads(before)
 
 

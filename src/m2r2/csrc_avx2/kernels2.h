@@ -100,6 +100,23 @@ void scores_avx512(const float* q, int64_t qstride, int64_t G, const at::BFloat1
                  int64_t n, int64_t D, float sc, float* e, int64_t estride);
 void values_avx512(const float* e, int64_t estride, int64_t G, const int32_t* keys, int64_t n, const at::BFloat16* vb,
                  int64_t vs, const float* tots, float* out, int64_t D);
+// The row attention's scores on AMX tiles (attend_amx.cpp), where the CPU has AMX-BF16: whether they are in use (neither
+// M2R2_NO_AMX_ATTENTION=1 nor set_amx_attention(false) turned them off), the switch (returns whether they were in use),
+// whether a head size takes them, then the attention of N <= 16 query vectors of one key head (q[i]: bfloat16 values
+// as float32; mask[i]: the keys vector i may see, bool [S]; out[i]: D float32) over a bfloat16 cache. A vector's
+// output has the same bits whichever vectors share the call; they differ from the AVX2 path's in the scores' order
+// of additions.
+bool amx_attention_in_use();
+bool set_amx_attention(bool on);
+bool amx_attention_fits(int64_t D);
+// The fewest keys a query vector sees for its attention to run on the tiles: 512 by default. A call pays to wake the
+// tile unit (asleep after a microsecond or two idle) and to lay out its queries, which a one-row pass's few keys do
+// not repay; the choice follows a vector's own keys, the same in one-row decoding as in a verify pass, so every
+// position gets one path's bits whatever pass computes it. set_amx_attention_min_keys returns the previous value.
+int64_t amx_attention_min_keys();
+int64_t set_amx_attention_min_keys(int64_t keys);
+void attend_amx(const float* const* q, const bool* const* mask, float* const* out, int N, const at::BFloat16* kb,
+                int64_t ks, const at::BFloat16* vb, int64_t vs, int64_t S, int64_t D, float sc);
 // silu(gate) * up of rows [gate (m) | up (m)] into [rows, m]
 void silu_mul_rows(const at::BFloat16* gu, int64_t rows, int64_t m, uint16_t* out);
 // one row's silu(gate[j]) * up[j] for j in c0..c1-1 (c0 a multiple of 8), into out[j]

@@ -195,6 +195,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether the row attention runs its AVX-512 build (same bits)");
   m.def("set_avx512_attention", &m2r2_avx2::set_avx512_attention,
         "turn the AVX-512 row attention on (where the CPU has AVX512-BF16) or off");
+  m.def("amx_attention_in_use", &m2r2_avx2::amx_attention_in_use,
+        "whether the row attention's scores run on AMX tiles (a pass's rows keep one-row decoding's bits)");
+  m.def("set_amx_attention", &m2r2_avx2::set_amx_attention,
+        "turn the AMX row attention on (where the CPU has AMX-BF16) or off");
+  m.def("set_amx_attention_min_keys", &m2r2_avx2::set_amx_attention_min_keys,
+        "the fewest keys a query vector sees for its attention to run on AMX tiles (default 512); returns the previous");
   m.def("avx512_silu_in_use", &m2r2_avx2::avx512_silu_in_use,
         "whether SwiGLU's product runs its AVX-512 build (same bits)");
   m.def("set_avx512_silu", &m2r2_avx2::set_avx512_silu,

@@ -278,11 +278,54 @@ void run_units(const float* qp, const KT* kp, const KT* vp, const bool* mp, floa
                int64_t D, int64_t KVH, int64_t S, const int64_t* kv, int64_t mb, float sc, int64_t u0, int64_t u1) {
   const int64_t G = H / KVH;
   // a bfloat16 cache and bfloat16 queries (every bfloat16 model's): the AVX-512 build of the same sums
-  const bool wide = std::is_same_v<KT, at::BFloat16> && avx512_attention_in_use() && avx512_attention_fits(D) &&
-                    holds_bfloat16(qp, B * H * T * D);
+  const bool bf16 = std::is_same_v<KT, at::BFloat16> && holds_bfloat16(qp, B * H * T * D);
+  const bool wide = bf16 && avx512_attention_in_use() && avx512_attention_fits(D);
   thread_local std::vector<int32_t> keys;
   thread_local std::vector<float> e, tots;
+  // a key head's vectors of all rows that see enough keys together on AMX tiles (attend_amx.cpp), the rest below (a
+  // row's vectors share its keys, so they go one way together)
+  thread_local std::vector<char> tiled;
+  tiled.clear();
+  if constexpr (std::is_same_v<KT, at::BFloat16>) {
+    const int64_t least = amx_attention_min_keys();
+    if (bf16 && S >= least && amx_attention_in_use() && amx_attention_fits(D)) {
+      tiled.assign(u1 - u0, 0);
+      int64_t counted = -1, count = 0;  // the last row counted (a flat index b * T + t) and its keys
+      for (int64_t u = u0; u < u1;) {
+        const int64_t bh = u / (T * G), stop = std::min(u1, (bh + 1) * T * G);  // vectors of one (item, key head)
+        const int64_t b = bh / KVH, h = bh % KVH;
+        const float* qs[16];
+        const bool* ms[16];
+        float* os[16];
+        int n = 0;
+        const auto flush = [&] {
+          if (n) attend_amx(qs, ms, os, n, kp + b * kv[0] + h * kv[1], kv[2], vp + b * kv[3] + h * kv[4], kv[5], S, D, sc);
+          n = 0;
+        };
+        for (; u < stop; ++u) {
+          const int64_t t = u / G % T, g = u % G;
+          const bool* m = mp + b * mb + t * S;
+          if (b * T + t != counted) {  // a verified prefix, then a few of the pass's own rows, then unfilled slots
+            const void* last = memrchr(m, 1, S);
+            const int64_t end = last ? static_cast<const bool*>(last) - m + 1 : 0;
+            const void* off = end >= least ? std::memchr(m, 0, end) : nullptr;
+            const int64_t prefix = off ? static_cast<const bool*>(off) - m : end;
+            counted = b * T + t, count = end < least ? end : prefix + std::count(m + prefix, m + end, true);
+          }
+          if (count < least) continue;
+          tiled[u - u0] = 1;
+          qs[n] = qp + ((b * H + h * G + g) * T + t) * D, ms[n] = m, os[n] = op + ((b * T + t) * H + h * G + g) * D;
+          if (++n == 16) flush();
+        }
+        flush();
+      }
+    }
+  }
   for (int64_t u = u0; u < u1;) {
+    if (!tiled.empty() && tiled[u - u0]) {
+      ++u;
+      continue;
+    }
     const int64_t item = u / G, g0 = u % G, g1 = std::min(G, g0 + (u1 - u));
     const int64_t b = item / (KVH * T), h = item / T % KVH, t = item % T;
     attend_row(qp + ((b * H + h * G + g0) * T + t) * D, T * D, kp + b * kv[0] + h * kv[1], kv[2],

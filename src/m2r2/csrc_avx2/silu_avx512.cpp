@@ -2,7 +2,7 @@
 // the extension itself is built with AVX2 flags only and still loads on AVX2 CPUs. Every output gets the AVX2
 // path's bits (tested): each lane runs the same operations in the same order (simd2.h's exp8 on 16 lanes with its
 // constants, the bfloat16 roundings the same integer steps), and the lanes past a range's end are masked instead of
-// zero-filled. The 16-lane exp stays in this file: simd2.h is inlined by files built for AVX2 only.
+// zero-filled. The 16-lane exp is exp16.h's (simd2.h is inlined by files built for AVX2 only).
 //
 // Why: the product is the largest of a block's row-wise steps (1.7 us a row a block on one thread, over a quarter
 // of them; BENCHMARKS.md, "Thirtieth round"), paid again for every verify row and every prefilled token.
@@ -16,6 +16,7 @@
 #include "simd2.h"
 
 #pragma GCC target("avx512f,avx512vl,avx512bw")
+#include "exp16.h"
 
 namespace {
 
@@ -29,19 +30,6 @@ inline __m512i bf16_bits16(__m512 v) {  // simd2.h's rounding to nearest even, l
   return _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
 }
 
-inline __m512 exp16(__m512 x) {  // simd2.h's exp8 on 16 lanes: its constants, its steps in its order
-  namespace c = m2r2_avx2::exp_c;
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(c::HI)), _mm512_set1_ps(c::LO));
-  const __m512 n =
-      _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(c::LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(c::LN2_HI), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(c::LN2_LO), r);
-  __m512 p = _mm512_set1_ps(c::P[0]);
-  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c::P[i]));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-}
 
 bool cpu_has_avx512() {
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
