@@ -5,10 +5,24 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <cstdlib>
 #include <memory>
 
 namespace m2r2_avx2 {
+
+// Whether the CPU has AMX tiles and the AMX feature at CPUID leaf 7 EDX bit `bit` (25: INT8, 22: BF16), and Linux
+// grants the process the tile state (ARCH_REQ_XCOMP_PERM for XTILEDATA; asking again is harmless): the AMX paths'
+// common check (q4_amx_rows.cpp, attend_amx.cpp)
+inline bool amx_granted(int bit) {
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << bit))) return false;
+  constexpr int ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+  return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
 
 // whether the environment variable `name` is "1": how a user turns off a build chosen at run time (M2R2_NO_VNNI, ...)
 inline bool turned_off(const char* name) {

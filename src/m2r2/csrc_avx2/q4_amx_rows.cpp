@@ -27,10 +27,6 @@
 #include <immintrin.h>
 #include <torch/extension.h>
 
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include <atomic>
 #include <cstring>
 
@@ -166,14 +162,7 @@ void pairs_amx(const uint8_t* qp, const at::Half* sp, const int8_t* xq, const fl
   _tile_release();
 }
 
-// AMX-TILE and AMX-INT8 in CPUID leaf 7 (EDX bits 24 and 25), and Linux's leave to use the tile state
-// (a process asks once: ARCH_REQ_XCOMP_PERM for XTILEDATA)
-bool cpu_has_amx_int8() {
-  unsigned a, b, c, d;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25))) return false;
-  constexpr int ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-  return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-}
+bool cpu_has_amx_int8() { return m2r2_avx2::amx_granted(25); }
 
 #else
 bool cpu_has_amx_int8() { return false; }
