@@ -88,7 +88,7 @@ inline void configure(int rows) {
   TileConfig cfg;
   for (int t = 0; t < 5; ++t) cfg.colsb[t] = 64, cfg.rows[t] = static_cast<uint8_t>(rows);
   for (int t = 5; t < 7; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
-  _tile_loadconfig(&cfg);
+  asm volatile("ldtilecfg %0" : : "m"(cfg));  // the whole struct as the operand: GCC may drop stores the intrinsic hides
 }
 
 // Sums of q * x for one group with VDPBF16PS: c[i][col] for ROWS rows starting at x (row stride K),

@@ -62,12 +62,15 @@ struct alignas(64) TileConfig {
 // by chunk into 2). Loading a configuration took ~120 ns here, reading it back ~10 (experiments/amx_wake.cpp): the
 // calls keep theirs (no tile release after a call) and load it only where the thread's tiles hold another (the
 // linears' AMX path, q4_amx_rows.cpp, releases its own, which reads back as all zero).
+// The two instructions go through asm with the whole configuration as their memory operand: through the intrinsics,
+// GCC 12 took LDTILECFG for a reader of the first bytes only and dropped the stores of the rest where it could fold
+// the comparison (a configuration of empty tiles: SIGILL at the next product).
 inline void configure(int W) {
   TileConfig cfg, now;
   for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = static_cast<uint16_t>(4 * W);
   cfg.colsb[1] = cfg.colsb[7] = 64;
-  _tile_storeconfig(&now);
-  if (std::memcmp(&cfg, &now, sizeof(cfg)) != 0) _tile_loadconfig(&cfg);
+  asm volatile("sttilecfg %0" : "=m"(now));
+  if (std::memcmp(&cfg, &now, sizeof(cfg)) != 0) asm volatile("ldtilecfg %0" : : "m"(cfg));
 }
 
 // tile product C += A x B for the pairs (C, A) = (0, 1) or (6, 7) and B one of 2-5 (tile numbers must be constants)

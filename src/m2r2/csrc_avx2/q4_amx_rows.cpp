@@ -66,7 +66,7 @@ inline void configure(int rows) {
     cfg.colsb[t + 1] = 64, cfg.rows[t + 1] = 8;
     cfg.colsb[t + 2] = 64, cfg.rows[t + 2] = static_cast<uint8_t>(rows);
   }
-  _tile_loadconfig(&cfg);
+  asm volatile("ldtilecfg %0" : : "m"(cfg));  // the whole struct as the operand (attend_amx.cpp, configure)
 }
 
 // One group's weights for a pair of blocks (q4_rows.h: group g of the second block follows the first's) into
