@@ -170,7 +170,7 @@ void attend_amx(const float* const* q, const bool* const* mask, float* const* ou
   const int W = N <= 4 ? 4 : N <= 8 ? 8 : 16, per = KEYS / W;
   const int64_t chunks = D / 32;
   // The tile unit sleeps after a microsecond or two without work (between two layers' attention it always has), and
-  // the first product after that waited ~1,000-2,000 cycles on this machine (experiments/amx_wake.cpp): a throwaway
+  // the first product after that waited ~800-3,000 more cycles on this machine (experiments/amx_wake.cpp): a throwaway
   // product now, on whatever the tiles hold, wakes it while the queries and masks below are read.
   configure(W);
   _tile_dpbf16ps(0, 1, 2);
