@@ -2,10 +2,11 @@
 build (attend_avx512.cpp), alternating pass by pass in one process: the bundled model over T = 1, 2, 4 rows after a
 CTX-token context (MT-Bench's first prompt repeated), the mask showing the context and the rows causally, 300 passes
 of each; medians in milliseconds. MIN_KEYS sets the fewest keys a vector needs for the tiles (1: every vector, to see
-the tiles' own curve; default: the kernel's, 512); CAP the cache's capacity (default CTX + 64; decoding passes a mask
-padded to it).
+the tiles' own curve; default: the kernel's); CAP the cache's capacity (default CTX + 64; decoding passes a mask
+padded to it); BLOCK > 1 alternates blocks of that many passes instead, each after 10 untimed ones (using the tiles
+slows the core's other work for a while after: pass by pass, the AVX-512 passes pay part of the tiles' cost).
 
-    [MIN_KEYS=N] [CAP=N] python experiments/amx_attention_ab.py [THREADS] [CTX ...]
+    [MIN_KEYS=N] [CAP=N] [BLOCK=N] python experiments/amx_attention_ab.py [THREADS] [CTX ...]
 """
 
 import os
@@ -25,7 +26,9 @@ engine, ids = warmed_first_turns(2, threads)
 ext = amx.avx2_extension()
 if ext is None or not ext.set_amx_attention(True):
     sys.exit("the AMX row attention does not run on this CPU (it needs AMX-BF16)")
-least = int(os.environ.get("MIN_KEYS", 512))
+least = int(os.environ.get("MIN_KEYS", ext.set_amx_attention_min_keys(1)))
+block = int(os.environ.get("BLOCK", 1))
+settle = 10 if block > 1 else 0
 ext.set_amx_attention_min_keys(least)
 model = engine.model
 print(
@@ -45,12 +48,14 @@ with torch.no_grad():
             positions = torch.arange(ctx, ctx + T)
             mask = torch.ones(T, ctx + T, dtype=torch.bool).tril(ctx)
             times: dict[bool, list[float]] = {True: [], False: []}
-            for _ in range(300):
+            for _ in range(300 // block):
                 for on in (True, False):
                     ext.set_amx_attention(on)
-                    t = time.perf_counter()
-                    model.run_layers(x, cache, ctx, positions=positions, mask=mask)
-                    times[on].append(time.perf_counter() - t)
+                    for i in range(block + settle):
+                        t = time.perf_counter()
+                        model.run_layers(x, cache, ctx, positions=positions, mask=mask)
+                        if i >= settle:
+                            times[on].append(time.perf_counter() - t)
             off, on = (statistics.median(times[k]) * 1e3 for k in (False, True))
             print(f"| {ctx} | {cap} | {T} | {off:.3f} | {on:.3f} | {on / off:.3f} |", flush=True)
 ext.set_amx_attention(True)

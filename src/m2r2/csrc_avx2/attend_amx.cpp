@@ -1,6 +1,6 @@
 // The row attention on AMX tiles (Intel Sapphire Rapids and later) for a bfloat16 cache and bfloat16 queries: chosen at
 // run time by run_units (rows_avx2.cpp) where the CPU has AMX-BF16, for the query vectors that see at least
-// amx_attention_min_keys() keys (512); the extension itself is built with AVX2 flags only and still loads elsewhere.
+// amx_attention_min_keys() keys (448); the extension itself is built with AVX2 flags only and still loads elsewhere.
 //
 // Why: the AVX-512 build (attend_avx512.cpp) sums each score in the AVX2 path's order, lane partial sums and then a
 // horizontal tree, per key and query vector, and every row of a verify pass pays for its own. Here one TDPBF16PS
@@ -11,8 +11,13 @@
 // of the 30 layers after 1,000 tokens took 0.98 / 0.92 / 0.82 of the AVX-512 build's time at 1 / 2 / 4 rows; after
 // 64-250 tokens it took 1.03-1.08 at 1-2 rows (experiments/amx_attention_ab.py): each call wakes the tile unit, which
 // sleeps after a microsecond or two idle (experiments/amx_wake.cpp), and lays out its queries, costs a short context
-// does not repay. Hence the threshold, which follows a vector's own keys: one position gets one path in one-row
-// decoding and in any verify pass.
+// does not repay. A block whose attention will run here now wakes the unit before its q/k/v projection
+// (wake_amx_attention), and the blocks ask for their cached keys early (block_avx2.cpp, prefetch_cache). With both,
+// timed in blocks of passes (BLOCK=30: the tiles slow the core's other work for a while after them), a one-row pass
+// took 1.018 of the AVX-512 build's time after 384 tokens and 0.987 after 512, 2 rows 0.97 / 0.94, 4 rows 0.87 / 0.85;
+// after 64-250 tokens one row lost 5-6% (experiments/amx_tax.py: a few % of it in the linear layers around the
+// attention, the rest in the wake-up and the calls). Hence the threshold, about where one row breaks even, which
+// follows a vector's own keys: one position gets one path in one-row decoding and in any verify pass.
 //
 // Bits: TDPBF16PS computes each output from its own row of A and column of B, whatever the other rows and columns
 // hold, so a vector's score of a key is the same whichever vectors and keys share its tile: a verify pass's rows get
@@ -151,7 +156,7 @@ bool cpu_has_amx_bf16() {
 
 const bool amx_bf16_here = cpu_has_amx_bf16();
 std::atomic<bool> amx_attention_on{amx_bf16_here && !m2r2_avx2::turned_off("M2R2_NO_AMX_ATTENTION")};
-std::atomic<int64_t> min_keys{512};
+std::atomic<int64_t> min_keys{448};
 
 }  // namespace
 
@@ -284,7 +289,18 @@ void attend_amx(const float* const* q, const bool* const* mask, float* const* ou
     if (end == 0 || (all == 0 && std::find(mask[n], mask[n] + end, true) == mask[n] + end))
       std::fill(out[n], out[n] + D, 0.0f);
 }
+
+void wake_amx_attention() {
+  TileConfig now;
+  asm volatile("sttilecfg %0" : "=m"(now));
+  // TDPBF16PS(0, 1, 2) needs C 16 x 4W, A 16 x 64 bytes, B 16 x 4W: configure()'s shapes (a released or other
+  // configuration reads otherwise, and a product on it would fault)
+  if (now.palette == 1 && now.rows[0] == KEYS && now.rows[1] == KEYS && now.colsb[1] == 64 && now.rows[2] == KEYS &&
+      now.colsb[0] == now.colsb[2] && now.colsb[0] > 0)
+    _tile_dpbf16ps(0, 1, 2);
+}
 #else  // never called: amx_attention_in_use() is false without the tiles
+void wake_amx_attention() {}
 void attend_amx(const float* const*, const bool* const*, float* const*, int, const at::BFloat16*, int64_t,
                 const at::BFloat16*, int64_t, int64_t, int64_t, float) {}
 #endif

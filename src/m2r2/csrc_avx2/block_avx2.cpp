@@ -240,6 +240,33 @@ CacheView cache_view(const torch::Tensor& k_cache, const torch::Tensor& v_cache)
           {k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)}};
 }
 
+// The cached keys and values [0, pos) of the key heads whose query vectors this thread attends (its share of the
+// H * T vectors, as block_rows cuts them), asked for at the block's start, at most 256 KB of them.
+//
+// Why: between two layers' attention a pass streams ~2 MB of weights through each core's caches, so a layer's keys
+// and values come from L3 each pass, and the attention, which reads them key by key, waited on them: ~40% of its time
+// at 250 cached tokens. Asked for before the q/k/v projection, they arrive under it: the attention then took 30-45%
+// less time and a pass's layers 1-3% less at 1-4 rows and 100-500 tokens (experiments/cache_prefetch_ab.py); the
+// projection waits a little longer, as the pass is bound by what it reads. Prefetches change no value.
+// M2R2_NO_CACHE_PREFETCH=1 or set_cache_prefetch(false) turns it off (experiments/cache_prefetch_ab.py's A/B).
+std::atomic<bool> cache_prefetch_on{!turned_off("M2R2_NO_CACHE_PREFETCH")};
+
+void prefetch_cache(const Team& team, const CacheView& c, int64_t pos, int64_t H, int64_t KVH, int64_t T, int64_t D) {
+  const auto [u0, u1] = team.share(H * T);
+  if (u0 >= u1 || pos <= 0 || !cache_prefetch_on.load(std::memory_order_relaxed)) return;
+  const int64_t G = H / KVH, h0 = u0 / (T * G), h1 = (u1 - 1) / (T * G), row = D * c.el;
+  const int64_t keys = std::min<int64_t>(pos, (256 << 10) / (2 * row * (h1 - h0 + 1)));
+  for (int64_t h = h0; h <= h1; ++h)
+    for (int64_t s = 0; s < keys; ++s) {
+      const char* k = c.k + (h * c.kv[1] + s * c.kv[2]) * c.el;
+      const char* v = c.v + (h * c.kv[4] + s * c.kv[5]) * c.el;
+      for (int64_t i = 0; i < row; i += 64) {
+        _mm_prefetch(k + i, _MM_HINT_T0);
+        _mm_prefetch(v + i, _MM_HINT_T0);
+      }
+    }
+}
+
 // RMSNorm of T rows of x (d wide) with weight nw, then their int8 inputs for `next`, into this thread's own inputs
 void norm_rows(const uint16_t* x, const torch::Tensor& nw, float eps, int64_t T, int64_t d, const Linear& next,
                Loop loop, const Inputs& in) {
@@ -267,8 +294,10 @@ void block_rows(const Team& team, const BlockWeights& w, const Rows& r, const ui
   const Loop l13 = loop_for(T, w.w13.blocks()), l2 = loop_for(T, w.w2.blocks());
 
   const Inputs& mine = r.mine[team.id];
+  prefetch_cache(team, c, pos, H, KVH, T, D);
   norm_rows(xp, w.attn_norm, eps, T, d, w.qkv, lqkv, mine);
   {
+    if (c.bf16 && pos + T >= amx_attention_min_keys() && amx_attention_in_use()) wake_amx_attention();
     const auto [b0, b1] = w.qkv.share(team);
     w.qkv.run_blocks(lqkv, mine.q, mine.step, mine.qsum, T, r.y, b0, b1);
   }
@@ -704,4 +733,6 @@ void bind_block(pybind11::module& m) {
   m.def("make_linear", &make_linear, "a packed linear layer's weights for draft_level");
   m.def("draft_level", &draft_level, "one greedy draft level of a one-layer seeded fast stream (token taps: the base's first blocks too)");
   m.def("draft_tree", &draft_tree, "a greedy draft tree of a one-layer seeded fast stream, its levels in one call");
+  m.def("set_cache_prefetch", [](bool on) { return cache_prefetch_on.exchange(on); },
+        "turn the blocks' early requests for their cached keys and values on or off (the same bits); the old setting");
 }

@@ -123,14 +123,18 @@ void values_avx512(const float* e, int64_t estride, int64_t G, const int32_t* ke
 bool amx_attention_in_use();
 bool set_amx_attention(bool on);
 bool amx_attention_fits(int64_t D);
-// The fewest keys a query vector sees for its attention to run on the tiles: 512 by default. A call pays to wake the
-// tile unit (asleep after a microsecond or two idle) and to lay out its queries, which a one-row pass's few keys do
-// not repay; the choice follows a vector's own keys, the same in one-row decoding as in a verify pass, so every
+// The fewest keys a query vector sees for its attention to run on the tiles: 448 by default. A call pays to wake the
+// tile unit (asleep after a microsecond or two idle) and to lay out its queries, and the tiles slow the linear layers
+// around them a little, which a one-row pass's few keys do not repay; the choice follows a vector's own keys, the same in one-row decoding as in a verify pass, so every
 // position gets one path's bits whatever pass computes it. set_amx_attention_min_keys returns the previous value.
 int64_t amx_attention_min_keys();
 int64_t set_amx_attention_min_keys(int64_t keys);
 void attend_amx(const float* const* q, const bool* const* mask, float* const* out, int N, const at::BFloat16* kb,
                 int64_t ks, const at::BFloat16* vb, int64_t vs, int64_t S, int64_t D, float sc);
+// A throwaway tile product, where this thread's tiles hold attend_amx's configuration: a block whose attention will run on
+// the tiles calls it before its q/k/v projection, so that the tile unit, asleep since the last block's attention, is
+// awake when the attention starts (no-op elsewhere).
+void wake_amx_attention();
 // silu(gate) * up of rows [gate (m) | up (m)] into [rows, m]
 void silu_mul_rows(const at::BFloat16* gu, int64_t rows, int64_t m, uint16_t* out);
 // one row's silu(gate[j]) * up[j] for j in c0..c1-1 (c0 a multiple of 8), into out[j]
