@@ -169,6 +169,33 @@ def test_the_draft_ledger_drafts_where_the_drafters_own_tokens_have_paid_for_its
     assert strategy.ledger.rounds[2] > 0 and strategy.ledger.rounds[:2] == greedy_rounds
 
 
+def test_one_timing_cannot_turn_the_draft_ledger_for_long(tmp_path):
+    """A slow undrafted round (a profiler's pause) moves the reference by at most twice the reference's weight, and a
+    drafting round counts between 0 and twice the reference's seconds beyond it: drafting never looks cheaper than
+    nothing, so a ledger whose drafter does not pay goes on not drafting. A kept ledger with negative sums (written
+    before the clipping) is taken for damaged."""
+    ledger = DraftLedger()
+    ledger.record(0, 1, 0.003, 1)
+    for _ in range(5):  # five undrafted rounds 20 times slower than the rest
+        ledger.record(0, 1, 0.060, 1)
+    assert ledger.undrafted[0, 1] <= 0.003 * 2
+    ledger.record(0, 2, 0.0035, 1, gain=1, alone=1)  # a drafting round faster than the inflated reference
+    assert ledger.sums[0][1] == 0.0
+    for _ in range(3 * ledger.trials):  # the machine as it was: drafting gives 0.3 tokens for 1.5 ms (200 a second)
+        ledger.record(0, 1, 0.003, 1)
+        ledger.record(0, 1, 0.0045, 1, gain=0, alone=1)
+        ledger.record(0, 2, 0.0045, 1, gain=1, alone=1)
+        ledger.record(0, 1, 0.0045, 1, gain=0, alone=1)
+    assert ledger.sums[0][1] > 0 and not ledger.pays(0)
+    before, ref = ledger.sums[0][1], ledger.undrafted[0, 1]
+    ledger.record(0, 2, 1.0, 1, gain=1, alone=1)  # a one-second hiccup in a drafting round: 2 references, no more
+    assert ledger.sums[0][1] == pytest.approx(ledger.drafted_decay * before + 2 * ref)
+    path = tmp_path / "ledger-negative.json"
+    ledger.sums[0][1] = -2.6
+    ledger.save(path)
+    assert DraftLedger.load(path).drafted == [0, 0, 0]
+
+
 def test_the_ledger_does_not_credit_drafts_the_next_rounds_copy_would_have_given():
     """Had a drafting round emitted only its first token, the next round would have been offered a copy; the drafted
     tokens after the first that this copy matches (and the round's next token) are not the drafter's gain."""

@@ -238,7 +238,13 @@ class DraftLedger:
     and a tree's round does more work around its pass).
 
     The drafter's sums decay by ``drafted_decay`` per drafting round of their kind and the rounds' own by ``decay``
-    per round, so the choice follows a drifting machine. Until ``trials`` drafting rounds of a kind are counted,
+    per round, so the choice follows a drifting machine. One timing is never allowed to decide for long: a round
+    moves the undrafted reference by at most what twice the reference would, and a drafting round's marginal seconds
+    count between 0 and twice the reference. Unclipped, a few slow undrafted rounds (a profiler's pauses, another
+    process) made every later drafting round look cheaper than nothing; the marginal seconds summed negative, and as
+    the ledger then drafted nearly every round, too few undrafted rounds came to correct the reference (SmolLM2-135M
+    drafted 18-24% of the paper suite's passes, BENCHMARKS.md "Forty-first round"). A kept ledger whose sums are
+    negative is taken for damaged. Until ``trials`` drafting rounds of a kind are counted,
     every third round of it does not draft (the undrafted rounds' times are the reference); after, the choice that
     does not pay is taken every ``retry``-th round (which keeps both sides current), less often the further the two
     rates are apart (up to ``max_spread`` times: SmolLM2-135M's drafter beside a copy gave ~28 tokens a second against
@@ -278,6 +284,8 @@ class DraftLedger:
                 raise ValueError("wrong shape")
             if not all(math.isfinite(x) for x in [*itertools.chain(*sums), *undrafted.values()]):
                 raise ValueError("not finite")
+            if any(x < 0 for x in [*itertools.chain(*sums), *undrafted.values()]):
+                raise ValueError("negative")
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return ledger
         ledger.sums, ledger.drafted, ledger.rounds, ledger.undrafted = sums, drafted, rounds, undrafted
@@ -316,13 +324,15 @@ class DraftLedger:
         k, sums = kind, self.sums[kind]
         if gain is None:
             ref = self.undrafted.get((k, rows))
+            if ref is not None:
+                seconds = min(seconds, 2 * ref)
             self.undrafted[k, rows] = seconds if ref is None else self.ref_decay * ref + (1 - self.ref_decay) * seconds
         else:
             ref = self.undrafted.get((k, alone))
             if ref is None:
                 return
             sums[0] = self.drafted_decay * sums[0] + gain
-            sums[1] = self.drafted_decay * sums[1] + seconds - ref
+            sums[1] = self.drafted_decay * sums[1] + min(max(seconds - ref, 0.0), 2 * ref)
             tokens, seconds = tokens - gain, ref
             self.drafted[k] += 1
         sums[2] = self.decay * sums[2] + tokens
