@@ -42,7 +42,7 @@ counts: collections.Counter = collections.Counter()
 for prompt in ids[1:]:
     log.clear()
     engine.generate_ids(prompt, "m2r2", GEN)
-    for (tree, rows, out, (path, _)), (following, emitted_next) in itertools.pairwise(log):
+    for ((tree, rows, out, (path, _)), _), (following, emitted_next) in itertools.pairwise(log):
         counts["rounds"] += 1
         rejected = [r for r in rows if tree.parents[r] == path[-1] and r not in path]
         if not rejected:
