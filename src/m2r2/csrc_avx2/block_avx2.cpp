@@ -244,10 +244,10 @@ CacheView cache_view(const torch::Tensor& k_cache, const torch::Tensor& v_cache)
 // H * T vectors, as block_rows cuts them), asked for at the block's start, at most 256 KB of them.
 //
 // Why: between two layers' attention a pass streams ~2 MB of weights through each core's caches, so a layer's keys
-// and values come from L3 each pass, and the attention, which reads them key by key, waited on them: ~40% of its time
-// at 250 cached tokens. Asked for before the q/k/v projection, they arrive under it: the attention then took 30-45%
-// less time and a pass's layers 1-3% less at 1-4 rows and 100-500 tokens (experiments/cache_prefetch_ab.py); the
-// projection waits a little longer, as the pass is bound by what it reads. Prefetches change no value.
+// and values come from L3 each pass, and the attention, which reads them key by key, waited on them. Asked for before
+// the q/k/v projection, they arrive under it: the attention's own time fell 30-45% at 250-500 cached tokens (timed
+// inside the pass), a pass's layers 0.2-1.5% at 1-4 rows and 100-500 tokens (experiments/cache_prefetch_ab.py): the
+// projection waits longer, as the pass is bound by what it reads. Prefetches change no value.
 // M2R2_NO_CACHE_PREFETCH=1 or set_cache_prefetch(false) turns it off (experiments/cache_prefetch_ab.py's A/B).
 std::atomic<bool> cache_prefetch_on{!turned_off("M2R2_NO_CACHE_PREFETCH")};
 
