@@ -56,26 +56,17 @@ constexpr int KEYS = 16;  // keys a tile product scores (tile A's rows)
 
 #if M2R2_AMX_BF16_BUILD
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // tiles 0 and 6: the scores of two blocks, 16 keys x W vectors (float32); 1 and 7: their keys, 16 x 32 values; 2-5:
 // 16 pairs of query values x W vectors (chunks 0-3, loaded once a call where the head size is up to 128, else chunk
 // by chunk into 2). Loading a configuration took ~120 ns here, reading it back ~10 (experiments/amx_wake.cpp): the
 // calls keep theirs (no tile release after a call) and load it only where the thread's tiles hold another (the
-// linears' AMX path, q4_amx_rows.cpp, releases its own, which reads back as all zero).
-// The two instructions go through asm with the whole configuration as their memory operand: through the intrinsics,
-// GCC 12 took LDTILECFG for a reader of the first bytes only and dropped the stores of the rest where it could fold
-// the comparison (a configuration of empty tiles: SIGILL at the next product).
+// linears' AMX path, q4_amx_rows.cpp, releases its own, which reads back as all zero; kernels2.h, TileConfig).
 inline void configure(int W) {
-  TileConfig cfg, now;
+  TileConfig cfg;
   for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = static_cast<uint16_t>(4 * W);
   cfg.colsb[1] = cfg.colsb[7] = 64;
-  asm volatile("sttilecfg %0" : "=m"(now));
-  if (std::memcmp(&cfg, &now, sizeof(cfg)) != 0) asm volatile("ldtilecfg %0" : : "m"(cfg));
+  const TileConfig now = tiles_now();
+  if (std::memcmp(&cfg, &now, sizeof(cfg)) != 0) load_tiles(cfg);
 }
 
 // tile product C += A x B for the pairs (C, A) = (0, 1) or (6, 7) and B one of 2-5 (tile numbers must be constants)
@@ -291,8 +282,7 @@ void attend_amx(const float* const* q, const bool* const* mask, float* const* ou
 }
 
 void wake_amx_attention() {
-  TileConfig now;
-  asm volatile("sttilecfg %0" : "=m"(now));
+  const TileConfig now = tiles_now();
   // TDPBF16PS(0, 1, 2) needs C 16 x 4W, A 16 x 64 bytes, B 16 x 4W: configure()'s shapes (a released or other
   // configuration reads otherwise, and a product on it would fault)
   if (now.palette == 1 && now.rows[0] == KEYS && now.rows[1] == KEYS && now.colsb[1] == 64 && now.rows[2] == KEYS &&

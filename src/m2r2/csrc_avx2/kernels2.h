@@ -24,6 +24,23 @@ inline bool amx_granted(int bit) {
   return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
 }
 
+// An AMX tile configuration (palette 1; tile t: rows[t] rows of colsb[t] bytes), for the AMX paths (q4_amx_rows.cpp,
+// attend_amx.cpp), loaded and read back through asm with the whole struct as the memory operand: through the
+// intrinsics, GCC 12 took LDTILECFG for a reader of the first bytes only and dropped the stores of the rest where it
+// could fold a comparison of the read-back (a configuration of empty tiles: SIGILL at the next product). A released
+// configuration reads back as all zero.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+inline void load_tiles(const TileConfig& cfg) { asm volatile("ldtilecfg %0" : : "m"(cfg)); }
+inline TileConfig tiles_now() {
+  TileConfig now;
+  asm volatile("sttilecfg %0" : "=m"(now));
+  return now;
+}
+
 // whether the environment variable `name` is "1": how a user turns off a build chosen at run time (M2R2_NO_VNNI, ...)
 inline bool turned_off(const char* name) {
   const char* v = std::getenv(name);

@@ -52,12 +52,6 @@ namespace {
 constexpr int MR = 16;        // rows per tile
 constexpr int64_t CHUNK = 16;  // groups of 32 inputs staged at a time (8 KB of weights, up to 16 KB of sums)
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // tiles 0 and 3: R rows x 32 inputs; 1 and 4: 8 x 64 weight bytes; 2 and 5: R rows x 16 int32 sums
 inline void configure(int rows) {
   TileConfig cfg;
@@ -66,7 +60,7 @@ inline void configure(int rows) {
     cfg.colsb[t + 1] = 64, cfg.rows[t + 1] = 8;
     cfg.colsb[t + 2] = 64, cfg.rows[t + 2] = static_cast<uint8_t>(rows);
   }
-  asm volatile("ldtilecfg %0" : : "m"(cfg));  // the whole struct as the operand (attend_amx.cpp, configure)
+  load_tiles(cfg);
 }
 
 // One group's weights for a pair of blocks (q4_rows.h: group g of the second block follows the first's) into

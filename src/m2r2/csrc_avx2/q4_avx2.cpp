@@ -200,7 +200,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_amx_attention", &m2r2_avx2::set_amx_attention,
         "turn the AMX row attention on (where the CPU has AMX-BF16) or off");
   m.def("set_amx_attention_min_keys", &m2r2_avx2::set_amx_attention_min_keys,
-        "the fewest keys a query vector sees for its attention to run on AMX tiles (default 512); returns the previous");
+        "the fewest keys a query vector sees for its attention to run on AMX tiles (default 448); returns the previous");
   m.def("avx512_silu_in_use", &m2r2_avx2::avx512_silu_in_use,
         "whether SwiGLU's product runs its AVX-512 build (same bits)");
   m.def("set_avx512_silu", &m2r2_avx2::set_avx512_silu,
