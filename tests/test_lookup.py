@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from m2r2.decoding.lookup import LookupStats, NgramIndex
+from m2r2.decoding.lookup import LONG, PLAIN, SPLIT, LookupStats, NgramIndex
 
 
 def _slow_propose(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]:
@@ -71,3 +71,43 @@ def test_stats_learn_per_depth_rates_and_count_only_depths_really_tried():
     assert p[1] == pytest.approx(9 / 10 * 1 / 10)
     assert stats.tries[2:] == [0.0, 0.0]  # past the first miss nothing was tried
     assert p[0] > p[1] > p[2] > p[3]
+
+
+def _slow_split(tokens: list[int], max_n: int, min_n: int) -> set[tuple[int, ...]]:
+    """The definition, by scanning: the n-grams two of whose occurrences are followed by different tokens."""
+    after: dict[tuple[int, ...], set[int]] = {}
+    for n in range(min_n, max_n + 1):
+        for end in range(n, len(tokens)):
+            after.setdefault(tuple(tokens[end - n : end]), set()).add(tokens[end])
+    return {gram for gram, nxt in after.items() if len(nxt) > 1}
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_index_knows_which_ngrams_were_followed_by_different_tokens(seed):
+    rng = random.Random(seed)
+    index, tokens = NgramIndex(), []
+    for _ in range(200):
+        new = [rng.randrange(4) for _ in range(rng.randint(1, 3))]
+        tokens += new
+        index.extend(new)
+        assert index.split == _slow_split(tokens, 3, 2)
+
+
+def test_a_proposal_s_match_class_says_how_far_back_it_matches_and_whether_it_split():
+    """``LONG``: the occurrence's 8 tokens before the proposal equal the context's; ``SPLIT``: the matched n-gram was
+    followed by different tokens before; ``PLAIN``: any other proposal, or none."""
+    ten = list(range(1, 11))
+    assert NgramIndex([*ten, 20, *ten]).match_class() == LONG  # "1 .. 10" again: copy "20 1 2 ..."
+    plain = NgramIndex([5, 6, 7, 1, 2, 3, 9, 1, 2, 3])  # "1 2 3" matched 3 tokens back (7 != 9)
+    assert plain.propose(2) == [9, 1] and plain.match_class() == PLAIN
+    split = NgramIndex([1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 3])  # "1 2 3" was followed by 4, then by 5
+    assert split.propose(1) == [5] and split.match_class() == SPLIT
+    assert NgramIndex([1, 2, 3]).match_class() == PLAIN  # nothing proposed
+
+
+def test_stats_start_every_depth_at_their_prior():
+    """A match class's prior hit rate (worth two rounds) prices a chain until its rounds are counted."""
+    assert LookupStats(prior=0.9).path_probs(2) == pytest.approx([0.9, 0.81])
+    stats = LookupStats(prior=0.9)
+    stats.record(offered=1, accepted=0)
+    assert stats.path_probs(1) == pytest.approx([1.8 / 3])

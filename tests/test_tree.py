@@ -114,6 +114,12 @@ def test_prompt_lookup_copies_are_accepted_and_the_output_stays_plain_greedy(fas
     assert out.stats["draft_layers_per_token"] < copying.stats["draft_layers_per_token"]
     with pytest.raises(SettingsError, match="draft must be one of"):
         TreeSpeculative("m2r2", model, fast, [], None, draft="sometimes")
+    # copies priced by depth alone (the ablation of their match classes): other rows, the same tokens
+    by_depth = TreeSpeculative("m2r2", model, fast, [], None, 8, 4, 2, 2, lookup=6, copy_price="depth")
+    out = by_depth.generate(prompt, gen)
+    assert out.tokens == ref.tokens and out.stats["copied_accepted_per_token"] > 0.1
+    with pytest.raises(SettingsError, match="copy_price must be one of"):
+        TreeSpeculative("m2r2", model, fast, [], None, copy_price="cheap")
 
 
 def test_the_draft_ledger_drafts_where_the_drafters_own_tokens_have_paid_for_its_time(tmp_path):

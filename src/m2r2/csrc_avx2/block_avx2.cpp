@@ -246,9 +246,9 @@ CacheView cache_view(const torch::Tensor& k_cache, const torch::Tensor& v_cache)
 // Why: between two layers' attention a pass streams ~2 MB of weights through each core's caches, so a layer's keys
 // and values come from L3 each pass, and the attention, which reads them key by key, waited on them. Asked for before
 // the q/k/v projection, they arrive under it: the attention's own time fell 30-45% at 250-500 cached tokens (timed
-// inside the pass), a pass's layers 0.2-1.5% at 1-4 rows and 100-500 tokens (experiments/cache_prefetch_ab.py): the
+// inside the pass), a pass's layers 0.2-1.5% at 1-4 rows and 100-500 tokens (experiments/pass_switch_ab.py set_cache_prefetch): the
 // projection waits longer, as the pass is bound by what it reads. Prefetches change no value.
-// M2R2_NO_CACHE_PREFETCH=1 or set_cache_prefetch(false) turns it off (experiments/cache_prefetch_ab.py's A/B).
+// M2R2_NO_CACHE_PREFETCH=1 or set_cache_prefetch(false) turns it off (experiments/pass_switch_ab.py's A/B).
 std::atomic<bool> cache_prefetch_on{!turned_off("M2R2_NO_CACHE_PREFETCH")};
 
 void prefetch_cache(const Team& team, const CacheView& c, int64_t pos, int64_t H, int64_t KVH, int64_t T, int64_t D) {

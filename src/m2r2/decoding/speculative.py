@@ -323,6 +323,7 @@ def _m2r2(
     online_costs: bool = True,
     head_bits: int = 4,
     draft: str = "pays",
+    copy_price: str = "match",
 ) -> SelfSpeculative | TreeSpeculative:
     """Seeded adapters (the shipped default where they exist) draft token trees; prefix adapters draft chains.
     ``online_costs``: trees correct the measured verify costs by each answer's own passes
@@ -330,7 +331,9 @@ def _m2r2(
     the kinds of round, with a copied chain proposed or without, where its own accepted tokens have paid for its
     marginal wall clock over every answer so far, :class:`m2r2.decoding.tree.DraftLedger`), ``always`` (every round
     while it gains more than a plain round costs), ``uncopied`` (only where prompt lookup and the answer store
-    propose nothing), ``never`` (copies alone: what the stream adds beside them).
+    propose nothing), ``never`` (copies alone: what the stream adds beside them). ``copy_price``: how a tree prices
+    prompt lookup's copied nodes, by their match class (``match``, the default: a long match, a split n-gram or another)
+    or by depth alone (``depth``, :data:`m2r2.decoding.tree.COPY_PRICES`).
     ``head_bits``: a seeded stream's draft head in the C++ kernels'
     4-bit blocks (4, the default) or 8-bit ones (8): half the bytes a draft reads (the start of a drafting round
     0.099 -> 0.078 of a step, a level 0.025 -> 0.022) for 0.012 less agreement at the first draft; drafts only,
@@ -345,7 +348,7 @@ def _m2r2(
     if isinstance(fast, SeededFastStream):
         drafter = SeededDrafter(fast.to(engine.model.device).freeze(merge=True, head_bits=head_bits))
         tree = (max_nodes, max_depth, width, branch, lookup)
-        extra = {"answers": answers, "online_costs": online_costs, "draft": draft}
+        extra = {"answers": answers, "online_costs": online_costs, "draft": draft, "copy_price": copy_price}
         return build_tree_speculative("m2r2", engine, drafter, adaptive, cost_cache, *tree, **extra)
     return build_self_speculative("m2r2", engine, fast, max_draft, stop_below, use_arla, adaptive, cost_cache)
 

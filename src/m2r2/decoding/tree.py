@@ -58,7 +58,7 @@ from m2r2.decoding.base import (
     warp_probs,
 )
 from m2r2.decoding.costs import cached_costs, check_verify_curve, cost_cache_path, drop_loaded_costs
-from m2r2.decoding.lookup import LookupStats, NgramIndex
+from m2r2.decoding.lookup import LONG, MATCH_PRIORS, PLAIN, LookupStats, NgramIndex
 from m2r2.errors import SettingsError
 from m2r2.files import atomic_text
 from m2r2.kernels import head_argmax
@@ -345,6 +345,13 @@ class DraftLedger:
 #: adds beside them)
 DRAFT_WHEN = ("always", "pays", "uncopied", "never")
 
+#: how a tree prices prompt lookup's copied nodes: by their depth's hit rate among the sequence's copies of the same
+#: match class (``match``, the default: a long match, a split n-gram or another; :data:`m2r2.decoding.lookup.LONG`)
+#: or among all its copies (``depth``, as until the forty-second round)
+COPY_PRICES = ("match", "depth")
+#: the hit-rate table ``copy_price="depth"`` prices every copy by (:attr:`TreeState.copies`' last, prior 1/2)
+EVERY_MATCH = len(MATCH_PRIORS)
+
 #: where a sequence's answer-store calibration starts: replayed on MT-Bench answers, a store token was
 #: right 0.6-0.8 times as often as its share says (experiments/answer_store_replay.out.txt)
 ANSWER_CALIB = 0.75
@@ -368,7 +375,11 @@ class TreeState:
     draft_steps: int = 0
     draft_rounds: int = 0  # rounds whose drafter drafted
     context: NgramIndex | None = None  # prompt lookup: every token before the round's root
-    copies: LookupStats = field(default_factory=LookupStats)
+    #: prompt lookup's hit rates by depth: one table per match class (``copy_price="match"``), then one for every copy
+    #: (``"depth"``)
+    copies: list[LookupStats] = field(
+        default_factory=lambda: [*(LookupStats(prior=p) for p in MATCH_PRIORS), LookupStats()]
+    )
     #: the answer store's chains: a node's chance is this times the product of the shares up to it
     answer_calib: float = ANSWER_CALIB
     copied_accepted: int = 0
@@ -512,6 +523,7 @@ class TreeSpeculative:
         answers: AnswerStore | None = None,
         online_costs: bool = True,
         draft: str = "pays",
+        copy_price: str = "match",
     ) -> None:
         limit = min(CACHE_SLACK, ROW_INVARIANT_MAX_ROWS) - 1
         if not 1 <= max_nodes <= limit:
@@ -523,6 +535,8 @@ class TreeSpeculative:
             raise SettingsError(f"lookup must be in 0..{limit} (0 = off), got {lookup}")
         if draft not in DRAFT_WHEN:
             raise SettingsError(f"draft must be one of {', '.join(DRAFT_WHEN)}, got {draft!r}")
+        if copy_price not in COPY_PRICES:
+            raise SettingsError(f"copy_price must be one of {', '.join(COPY_PRICES)}, got {copy_price!r}")
         if isinstance(drafter, SeededFastStream):
             drafter = SeededDrafter(drafter)
         self.name, self.model, self.drafter, self.eos_ids, self.decode = name, model, drafter, eos_ids, decode
@@ -532,6 +546,8 @@ class TreeSpeculative:
         self.online_costs = online_costs
         #: when the drafter drafts (:data:`DRAFT_WHEN`); ``pays``: where the ledger says it has paid, over every answer
         self.draft_when, self.ledger = draft, DraftLedger()
+        #: how copied nodes are priced (:data:`COPY_PRICES`)
+        self.copy_price = copy_price
         #: base layers whose outputs the drafter fuses into its seeds (a tapped seeded stream), else []
         self.taps: list[int] = list(getattr(drafter, "taps", []))
         #: lossy dynamic compute (``m2r2-dynamic``): a draft whose own probability reaches this exits at the
@@ -769,10 +785,15 @@ class TreeSpeculative:
         looked_chain: list[int] = []  # prompt lookup's proposal, else the answer store's (with its shares)
         stored_chain: tuple[list[int], list[float]] = ([], [])
         k = 0  # copied tokens a chain may offer
+        match = PLAIN if self.copy_price == "match" else EVERY_MATCH  # the hit rates' table of lookup's chain
         if state.context is not None:  # prompt lookup: the root joins the context, its continuation is proposed
             state.context.extend([tok])
             k = min(self.lookup, room) if gen.greedy else 0
-            looked_chain = state.context.propose(k) if k > 0 else []
+            looked_chain = state.context.propose(room) if k > 0 else []
+            if looked_chain and self.copy_price == "match":  # what the match says of its chain
+                match = state.context.match_class()
+            if match != LONG:
+                looked_chain = looked_chain[:k]
             if k > 0 and self.answers is not None and not looked_chain:  # the model's phrasing
                 stored_chain = self.answers.propose(state.context.tokens, k)
         copied = bool(looked_chain or stored_chain[0])
@@ -783,7 +804,7 @@ class TreeSpeculative:
             steps = max(tree.depths)
             state.draft_steps += steps
             state.draft_rounds += 1
-        looked, stored = self._copy_in(tree, state, looked_chain, stored_chain)
+        looked, stored = self._copy_in(tree, state, looked_chain, stored_chain, match)
         if len(tree.tokens) > 1:
             rows = self.choose(tree, room, state.calib, steps, costs) if gen.greedy else self._chain(tree, room)
         n_rows = len(rows)
@@ -808,7 +829,7 @@ class TreeSpeculative:
             self._count_exits(state, tree, rows, path, out)
         offered = [r for r in looked if r in rows]
         if offered:  # the copied chain's rows are a prefix of it (ancestor-closed); count its depths
-            state.copies.record(len(offered), sum(1 for r in offered if r in path))
+            state.copies[match].record(len(offered), sum(1 for r in offered if r in path))
         stored = [(r, p) for r, p in stored if r in rows]
         if stored:  # calibrate the store's shares against how many of its offered nodes were accepted
             hits = sum(1 for r, _ in stored if r in path)
@@ -841,7 +862,7 @@ class TreeSpeculative:
         if self.draft_when == "pays" and room > 0:
             if drafting:  # the drafter's own accepted nodes, and the rows the copies alone would have been given
                 alone = Tree([tok], [-1], [0], [1.0], [None])
-                self._copy_in(alone, state, looked_chain, stored_chain)
+                self._copy_in(alone, state, looked_chain, stored_chain, match)
                 n_alone = len(self.choose(alone, room, state.calib, 0, costs)) if len(alone.tokens) > 1 else 1
                 gain = sum(1 for r in path[1:] if r not in tree.copy_probs) - displaced
                 self.ledger.record(kind, n + 1, seconds, n_rows, gain, n_alone)
@@ -851,13 +872,17 @@ class TreeSpeculative:
 
     @staticmethod
     def _copy_in(
-        tree: Tree, state: TreeState, looked_chain: list[int], stored_chain: tuple[list[int], list[float]]
+        tree: Tree,
+        state: TreeState,
+        looked_chain: list[int],
+        stored_chain: tuple[list[int], list[float]],
+        match: int = PLAIN,
     ) -> tuple[list[int], list[tuple[int, float]]]:
-        """Add a round's copied chain to ``tree``: prompt lookup's (priced by its hit rates by depth), else the answer
-        store's (as sure as the store is, calibrated per sequence). Returns lookup's nodes and the store's (each with
-        the product of shares up to it)."""
+        """Add a round's copied chain to ``tree``: prompt lookup's (priced by the hit rates by depth of its match
+        class, ``match``), else the answer store's (as sure as the store is, calibrated per sequence). Returns lookup's
+        nodes and the store's (each with the product of shares up to it)."""
         if looked_chain:
-            return tree.add_copies(looked_chain, state.copies.path_probs(len(looked_chain))), []
+            return tree.add_copies(looked_chain, state.copies[match].path_probs(len(looked_chain))), []
         if not stored_chain[0]:
             return [], []
         chain, shares = stored_chain
@@ -1136,6 +1161,7 @@ def build_tree_speculative(
     answers: str | None = None,
     online_costs: bool = True,
     draft: str = "pays",
+    copy_price: str = "match",
 ) -> TreeSpeculative:
     """A :class:`TreeSpeculative` drafting with ``drafter`` (in its inference form) and measured costs
     (``adaptive``; kept per machine and drafter shape in ``$M2R2_CACHE/costs`` for a day when ``cost_cache``;
@@ -1154,7 +1180,7 @@ def build_tree_speculative(
         costs = cached_costs(path, measure, _tree_costs) if cost_cache else measure()
     tok = engine.tokenizer
     store = answer_store_for(engine.fingerprint, answers) if lookup else None
-    tree = (max_nodes, max_depth, width, branch, costs, lookup, exit_threshold, store, online_costs, draft)
+    tree = (max_nodes, max_depth, width, branch, costs, lookup, exit_threshold, store, online_costs, draft, copy_price)
     spec = TreeSpeculative(name, model, drafter, tok.eos_ids, tok.decode, *tree)
     spec.cost_file = path if cost_cache else None
     if path is not None and cost_cache:  # what drafting has bought here, kept beside the costs it was bought at
