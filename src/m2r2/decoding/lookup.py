@@ -63,22 +63,23 @@ class NgramIndex:
                     self.earlier[n] = before
                 self.ends[key] = end
 
+    def _match(self) -> tuple[int, int] | None:
+        """The longest final n-gram that occurred earlier: its size, and where its latest earlier occurrence ended."""
+        return next(((n, self.earlier[n]) for n in range(self.max_n, self.min_n - 1, -1) if n in self.earlier), None)
+
     def propose(self, k: int) -> list[int]:
         """Up to ``k`` tokens that followed the latest earlier occurrence of the context's final n-gram."""
-        for n in range(self.max_n, self.min_n - 1, -1):
-            start = self.earlier.get(n)
-            if start is not None:
-                return self.tokens[start : start + k]
-        return []
+        match = self._match()
+        return [] if match is None else self.tokens[match[1] : match[1] + k]
 
     def match_class(self) -> int:
         """What :meth:`propose`'s match says of its proposal: ``SPLIT``, ``LONG`` or ``PLAIN`` (:data:`MATCH_PRIORS`;
         ``PLAIN`` where nothing is proposed). A match is as long as the occurrence's tokens before it agree with the
         context's, counted back up to ``LONG_MATCH``."""
-        n = next((n for n in range(self.max_n, self.min_n - 1, -1) if n in self.earlier), None)
-        if n is None:
+        match = self._match()
+        if match is None:
             return PLAIN
-        end, start = len(self.tokens), self.earlier[n]
+        (n, start), end = match, len(self.tokens)
         if tuple(self.tokens[end - n :]) in self.split:
             return SPLIT
         m = n
