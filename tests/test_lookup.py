@@ -106,8 +106,13 @@ def test_a_proposal_s_match_class_says_how_far_back_it_matches_and_whether_it_sp
 
 
 def test_stats_start_every_depth_at_their_prior():
-    """A match class's prior hit rate (worth two rounds) prices a chain until its rounds are counted."""
+    """A match class's prior hit rate (worth two rounds) prices a chain until its rounds are counted; ``deeper``
+    starts the depths after the first at another rate."""
     assert LookupStats(prior=0.9).path_probs(2) == pytest.approx([0.9, 0.81])
     stats = LookupStats(prior=0.9)
     stats.record(offered=1, accepted=0)
     assert stats.path_probs(1) == pytest.approx([1.8 / 3])
+    stats = LookupStats(prior=0.5, deeper=0.8)
+    assert stats.path_probs(3) == pytest.approx([0.5, 0.4, 0.32])
+    stats.record(offered=2, accepted=1)  # depth 1 right, depth 2 wrong
+    assert stats.path_probs(2) == pytest.approx([2 / 3, 2 / 3 * 1.6 / 3])

@@ -14,8 +14,21 @@ from tests.test_speculative import _exact_marginal, tiny_model
 
 from m2r2.decoding.autoregressive import Autoregressive
 from m2r2.decoding.base import GenerationConfig
-from m2r2.decoding.lookup import NgramIndex
-from m2r2.decoding.tree import DraftLedger, Tree, TreeCosts, TreeSpeculative, TreeState, VerifyFit
+from m2r2.decoding.lookup import PLAIN, SPLIT, NgramIndex
+from m2r2.decoding.tree import (
+    AGREES,
+    DIFFERS,
+    EVERY_MATCH,
+    NO_OPINION,
+    OPINION_PRIORS,
+    DraftLedger,
+    Tree,
+    TreeCosts,
+    TreeSpeculative,
+    TreeState,
+    VerifyFit,
+    opinion_table,
+)
 from m2r2.errors import InputError, SettingsError, WeightsError
 from m2r2.multirate.seeded import SeededConfig, SeededFastStream
 
@@ -114,12 +127,48 @@ def test_prompt_lookup_copies_are_accepted_and_the_output_stays_plain_greedy(fas
     assert out.stats["draft_layers_per_token"] < copying.stats["draft_layers_per_token"]
     with pytest.raises(SettingsError, match="draft must be one of"):
         TreeSpeculative("m2r2", model, fast, [], None, draft="sometimes")
-    # copies priced by depth alone (the ablation of their match classes): other rows, the same tokens
-    by_depth = TreeSpeculative("m2r2", model, fast, [], None, 8, 4, 2, 2, lookup=6, copy_price="depth")
-    out = by_depth.generate(prompt, gen)
-    assert out.tokens == ref.tokens and out.stats["copied_accepted_per_token"] > 0.1
+    # copies priced by their match class alone or by depth alone (the ablations of the store's opinion): other rows,
+    # the same tokens
+    for price in ("match", "depth"):
+        priced = TreeSpeculative("m2r2", model, fast, [], None, 8, 4, 2, 2, lookup=6, copy_price=price)
+        out = priced.generate(prompt, gen)
+        assert out.tokens == ref.tokens and out.stats["copied_accepted_per_token"] > 0.1
     with pytest.raises(SettingsError, match="copy_price must be one of"):
         TreeSpeculative("m2r2", model, fast, [], None, copy_price="cheap")
+
+
+def test_a_copied_chain_is_priced_by_its_match_and_what_the_answer_store_says_of_it():
+    """``copy_price="opinion"`` (the default): lookup's chain takes the hit rates of its match class and the store's
+    opinion of its first token, asked after the same context (the same token, another, none); each table starts from
+    its class and opinion's replayed rates, the first depth's and the later ones'. ``match`` and ``depth`` ignore the
+    store."""
+
+    class Store:  # proposes ``follow`` after any context
+        def __init__(self, follow: list[int]) -> None:
+            self.follow = follow
+
+        def propose(self, context: list[int], k: int) -> tuple[list[int], list[float]]:
+            return self.follow[:k], [0.5] * min(k, len(self.follow))
+
+    model = tiny_model(seed=0)
+    fast = SeededFastStream(model, SeededConfig.build(4, depth=2, rank=2)).eval()
+    context = NgramIndex([5, 6, 7, 1, 2, 3, 9, 1, 2, 3])  # plain match: proposes [9, 1, ...]
+    chain = context.propose(2)
+    spec = TreeSpeculative("m2r2", model, fast, [], None, lookup=6)
+    assert spec._copy_table(context, PLAIN, chain) == opinion_table(PLAIN, NO_OPINION)  # no store
+    for follow, opinion in (([9, 4], AGREES), ([8], DIFFERS), ([], NO_OPINION)):
+        spec.answers = Store(follow)
+        assert spec._copy_table(context, PLAIN, chain) == opinion_table(PLAIN, opinion)
+        assert spec._copy_table(context, SPLIT, chain) == opinion_table(SPLIT, opinion)
+    spec.copy_price = "match"
+    assert spec._copy_table(context, SPLIT, chain) == SPLIT
+    spec.copy_price = "depth"
+    assert spec._copy_table(context, SPLIT, chain) == EVERY_MATCH
+    tables = TreeState().copies
+    agrees, differs = tables[opinion_table(PLAIN, AGREES)], tables[opinion_table(PLAIN, DIFFERS)]
+    first, later = OPINION_PRIORS[PLAIN][AGREES]
+    assert agrees.path_probs(2) == pytest.approx([first, first * later])
+    assert differs.path_probs(1)[0] < agrees.path_probs(1)[0]
 
 
 def test_the_draft_ledger_drafts_where_the_drafters_own_tokens_have_paid_for_its_time(tmp_path):

@@ -105,18 +105,22 @@ class NgramIndex:
 class LookupStats:
     """How often a copied token at each depth of a proposal was accepted, given its parent was: the
     path probability of a copied node at depth d is the product of these rates up to d. A Beta prior
-    worth two rounds starts every depth at ``prior`` (1/2 unless a match class says otherwise:
-    :data:`MATCH_PRIORS`); the counts are per sequence (a rewrite request copies a lot, a story little)."""
+    worth two rounds starts the first depth at ``prior`` (1/2 unless a match class says otherwise:
+    :data:`MATCH_PRIORS`) and every later one at ``deeper`` (the same by default: a copy whose parent was
+    right is right more often than the chain's first); the counts are per sequence (a rewrite request
+    copies a lot, a story little)."""
 
     hits: list[float] = field(default_factory=list)
     tries: list[float] = field(default_factory=list)
     prior: float = 0.5
+    deeper: float | None = None
 
     def path_probs(self, depth: int) -> list[float]:
         self._grow(depth)
         out, p = [], 1.0
         for d in range(depth):
-            p *= (self.hits[d] + 2.0 * self.prior) / (self.tries[d] + 2.0)
+            prior = self.prior if d == 0 or self.deeper is None else self.deeper
+            p *= (self.hits[d] + 2.0 * prior) / (self.tries[d] + 2.0)
             out.append(p)
         return out
 

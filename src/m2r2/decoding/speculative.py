@@ -323,7 +323,7 @@ def _m2r2(
     online_costs: bool = True,
     head_bits: int = 4,
     draft: str = "pays",
-    copy_price: str = "match",
+    copy_price: str = "opinion",
 ) -> SelfSpeculative | TreeSpeculative:
     """Seeded adapters (the shipped default where they exist) draft token trees; prefix adapters draft chains.
     ``online_costs``: trees correct the measured verify costs by each answer's own passes
@@ -332,8 +332,9 @@ def _m2r2(
     marginal wall clock over every answer so far, :class:`m2r2.decoding.tree.DraftLedger`), ``always`` (every round
     while it gains more than a plain round costs), ``uncopied`` (only where prompt lookup and the answer store
     propose nothing), ``never`` (copies alone: what the stream adds beside them). ``copy_price``: how a tree prices
-    prompt lookup's copied nodes, by their match class (``match``, the default: a long match, a split n-gram or another)
-    or by depth alone (``depth``, :data:`m2r2.decoding.tree.COPY_PRICES`).
+    prompt lookup's copied nodes: by their match class (a long match, a split n-gram or another) and whether the answer
+    store proposes the same first token (``opinion``, the default), by their match class alone (``match``) or by depth
+    alone (``depth``, :data:`m2r2.decoding.tree.COPY_PRICES`).
     ``head_bits``: a seeded stream's draft head in the C++ kernels'
     4-bit blocks (4, the default) or 8-bit ones (8): half the bytes a draft reads (the start of a drafting round
     0.099 -> 0.078 of a step, a level 0.025 -> 0.022) for 0.012 less agreement at the first draft; drafts only,

@@ -346,11 +346,30 @@ class DraftLedger:
 DRAFT_WHEN = ("always", "pays", "uncopied", "never")
 
 #: how a tree prices prompt lookup's copied nodes: by their depth's hit rate among the sequence's copies of the same
-#: match class (``match``, the default: a long match, a split n-gram or another; :data:`m2r2.decoding.lookup.LONG`)
-#: or among all its copies (``depth``, as until the forty-second round)
-COPY_PRICES = ("match", "depth")
-#: the hit-rate table ``copy_price="depth"`` prices every copy by (:attr:`TreeState.copies`' last, prior 1/2)
+#: match class and the same opinion of the answer store (``opinion``, the default: :data:`OPINION_PRIORS`), of the
+#: same match class alone (``match``, as in the forty-second round: a long match, a split n-gram or another;
+#: :data:`m2r2.decoding.lookup.LONG`) or among all its copies (``depth``, as until then)
+COPY_PRICES = ("opinion", "match", "depth")
+#: the hit-rate table ``copy_price="depth"`` prices every copy by (:attr:`TreeState.copies`' fourth, prior 1/2)
 EVERY_MATCH = len(MATCH_PRIORS)
+#: what the answer store says of a copied chain's first token, asked after the same context
+AGREES, NO_OPINION, DIFFERS = 0, 1, 2
+#: per match class (plain, split, long) and the store's opinion (agrees, none, differs): the hit rate a table starts
+#: from at a chain's first depth and at the later ones. Replayed on MT-Bench 60's `vanilla` answers
+#: (``experiments/copy_store_agreement.py``) the first copy was right in 0.87 / 0.68 / 0.49 of plain matches' rounds,
+#: 0.64 / 0.47 / 0.35 of split ones', 0.99 / 0.93 / 0.92 of long ones'; the later copies (by the store's opinion of
+#: each) 0.88 / 0.74 / 0.68, 0.89 / 0.88 / 0.81, 0.98 / 0.96 / 0.91
+OPINION_PRIORS = (
+    ((0.87, 0.88), (0.68, 0.74), (0.49, 0.68)),
+    ((0.64, 0.89), (0.47, 0.88), (0.35, 0.81)),
+    ((0.99, 0.98), (0.93, 0.96), (0.92, 0.91)),
+)
+
+
+def opinion_table(match: int, opinion: int) -> int:
+    """Which of :attr:`TreeState.copies` prices a chain of this match class and store opinion (``opinion``)."""
+    return EVERY_MATCH + 1 + 3 * match + opinion
+
 
 #: where a sequence's answer-store calibration starts: replayed on MT-Bench answers, a store token was
 #: right 0.6-0.8 times as often as its share says (experiments/answer_store_replay.out.txt)
@@ -378,7 +397,11 @@ class TreeState:
     #: prompt lookup's hit rates by depth: one table per match class (``copy_price="match"``), then one for every copy
     #: (``"depth"``)
     copies: list[LookupStats] = field(
-        default_factory=lambda: [*(LookupStats(prior=p) for p in MATCH_PRIORS), LookupStats()]
+        default_factory=lambda: [
+            *(LookupStats(prior=p) for p in MATCH_PRIORS),
+            LookupStats(),
+            *(LookupStats(prior=first, deeper=later) for row in OPINION_PRIORS for first, later in row),
+        ]
     )
     #: the answer store's chains: a node's chance is this times the product of the shares up to it
     answer_calib: float = ANSWER_CALIB
@@ -523,7 +546,7 @@ class TreeSpeculative:
         answers: AnswerStore | None = None,
         online_costs: bool = True,
         draft: str = "pays",
-        copy_price: str = "match",
+        copy_price: str = "opinion",
     ) -> None:
         limit = min(CACHE_SLACK, ROW_INVARIANT_MAX_ROWS) - 1
         if not 1 <= max_nodes <= limit:
@@ -785,15 +808,16 @@ class TreeSpeculative:
         looked_chain: list[int] = []  # prompt lookup's proposal, else the answer store's (with its shares)
         stored_chain: tuple[list[int], list[float]] = ([], [])
         k = 0  # copied tokens a chain may offer
-        match = PLAIN if self.copy_price == "match" else EVERY_MATCH  # the hit rates' table of lookup's chain
+        match = EVERY_MATCH  # the hit rates' table of lookup's chain (:data:`COPY_PRICES`)
         if state.context is not None:  # prompt lookup: the root joins the context, its continuation is proposed
             state.context.extend([tok])
             k = min(self.lookup, room) if gen.greedy else 0
             looked_chain = state.context.propose(room) if k > 0 else []
-            if looked_chain and self.copy_price == "match":  # what the match says of its chain
-                match = state.context.match_class()
-            if match != LONG:
+            cls = state.context.match_class() if looked_chain and self.copy_price != "depth" else PLAIN
+            if cls != LONG:
                 looked_chain = looked_chain[:k]
+            if looked_chain:
+                match = self._copy_table(state.context, cls, looked_chain)
             if k > 0 and self.answers is not None and not looked_chain:  # the model's phrasing
                 stored_chain = self.answers.propose(state.context.tokens, k)
         copied = bool(looked_chain or stored_chain[0])
@@ -889,6 +913,17 @@ class TreeSpeculative:
         sure = list(itertools.accumulate(shares, lambda a, b: a * b))
         nodes = tree.add_copies(chain, [min(1.0, state.answer_calib * p) for p in sure])
         return [], list(zip(nodes, sure, strict=True))
+
+    def _copy_table(self, context: NgramIndex, match: int, chain: list[int]) -> int:
+        """Which of :attr:`TreeState.copies` prices prompt lookup's ``chain`` (of match class ``match``), as
+        ``copy_price`` says: the table of every copy, that of its match class, or that of its match class and what the
+        answer store proposes after the same context (its first token the chain's, another, or none)."""
+        if self.copy_price == "depth":
+            return EVERY_MATCH
+        if self.copy_price == "match":
+            return match
+        own = self.answers.propose(context.tokens, 1)[0] if self.answers is not None else []
+        return opinion_table(match, NO_OPINION if not own else AGREES if own[0] == chain[0] else DIFFERS)
 
     def _copied_after(self, state: TreeState, emitted: list[int], k: int) -> int:
         """How many of ``emitted[1:]`` (a round's accepted drafts after the first, then its next token) the copy
@@ -1161,7 +1196,7 @@ def build_tree_speculative(
     answers: str | None = None,
     online_costs: bool = True,
     draft: str = "pays",
-    copy_price: str = "match",
+    copy_price: str = "opinion",
 ) -> TreeSpeculative:
     """A :class:`TreeSpeculative` drafting with ``drafter`` (in its inference form) and measured costs
     (``adaptive``; kept per machine and drafter shape in ``$M2R2_CACHE/costs`` for a day when ``cost_cache``;
