@@ -6,7 +6,8 @@ to 8), and the shipped answer store for its proposal after the same context; it 
 one token (where lookup proposes nothing, the store's matching prefix). Printed per match class and whether the
 store's first token equals lookup's (``agrees``), differs (``differs``) or the store has none: rounds, how often the
 first copied token was right, and copied tokens accepted a round. Then each copied token at depth 2+ by whether the
-store, asked after the context and the copied tokens before it, proposes the same token.
+store, asked after the context and the copied tokens before it, proposes the same token; and, where the store's first
+token differs, how often the store's own chain was right (what a second branch beside lookup's would win).
 
 Why: a copied node is priced by its depth's hit rate in its match class; rows spent on copies that miss are most of a
 round's waste (on MT-Bench 60, ~0.8 of ~3 rows a pass). A free second opinion that splits the hit rates would let the
@@ -35,6 +36,8 @@ known = {(d, str(p.id)): p for d in {p["dataset"] for p in runs} for p in load_d
 rounds: dict = collections.defaultdict(lambda: [0, 0, 0])  # (class, opinion) -> rounds, first right, accepted
 deeper: dict = collections.defaultdict(lambda: [0, 0])  # (class, opinion) -> copied tokens at depth 2+ tried, right
 stored = [0, 0, 0]  # rounds with only the store's proposal: rounds, first right, accepted
+rival = collections.defaultdict(lambda: [0, 0, 0])  # class -> rounds where the store differs: rounds, its first right,
+# its tokens accepted had it been verified beside lookup's chain
 for p in runs:
     messages = []
     for turn, answer in enumerate(p["methods"]["vanilla"]["ids"]):
@@ -54,6 +57,11 @@ for p in runs:
                 opinion = "none" if not own else ("agrees" if own[0] == chain[0] else "differs")
                 while m < len(chain) and i + m < len(answer) and chain[m] == answer[i + m]:
                     m += 1
+                if opinion == "differs":
+                    cell, r = rival[CLASSES[kind]], 0
+                    while r < len(own) and i + r < len(answer) and own[r] == answer[i + r]:
+                        r += 1
+                    cell[0], cell[1], cell[2] = cell[0] + 1, cell[1] + (r > 0), cell[2] + r
                 row = rounds[(CLASSES[kind], opinion)]
                 row[0], row[1], row[2] = row[0] + 1, row[1] + (m > 0), row[2] + m
                 for d in range(1, min(len(chain), m + 1)):  # depth d+1, tried because depth d was right
@@ -80,3 +88,7 @@ print("\n| lookup's match | the store after the copies before | copied tokens at
 print("|---|---|--:|--:|")
 for (kind, said), (n, right) in sorted(deeper.items()):
     print(f"| {kind} | {said} | {n} | {right / n:.2f} |")
+print("\n| lookup's match | rounds where the store's first token differs | the store's first right | its tokens a round |")
+print("|---|--:|--:|--:|")
+for kind, (n, first, acc) in sorted(rival.items()):
+    print(f"| {kind} | {n} | {first / n:.2f} | {acc / n:.2f} |")
