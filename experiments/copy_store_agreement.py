@@ -88,7 +88,7 @@ print("\n| lookup's match | the store after the copies before | copied tokens at
 print("|---|---|--:|--:|")
 for (kind, said), (n, right) in sorted(deeper.items()):
     print(f"| {kind} | {said} | {n} | {right / n:.2f} |")
-print("\n| lookup's match | rounds where the store's first token differs | the store's first right | its tokens a round |")
+print("\n| lookup's match | rounds the store's first token differs | the store's first right | its tokens a round |")
 print("|---|--:|--:|--:|")
 for kind, (n, first, acc) in sorted(rival.items()):
     print(f"| {kind} | {n} | {first / n:.2f} | {acc / n:.2f} |")

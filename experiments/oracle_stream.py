@@ -20,6 +20,8 @@ Beta(2a, 2(1 - a)) (mean ``a``) and its path probability is the product of its c
 which drafts are sure, as a stream with a perfect confidence signal would. ``FREE=1``: the oracle does not run the real
 stream, so its drafts cost nothing (what a draft's cost holds back). ``DRAFT=always``: the oracle arms draft in every
 round while drafting gains more than it costs by the cost model, not where the draft ledger says it has paid.
+``WASTE_FREE=1`` adds copies alone and the shipped stream verifying only those of their chosen rows that will be
+accepted (the oracle knows): how much any better pricing of rows could ever save.
 """
 
 import os
@@ -37,6 +39,7 @@ threads = int(sys.argv[2]) if len(sys.argv) > 2 else 2
 reps = int(sys.argv[3]) if len(sys.argv) > 3 else 2
 agreements = (sys.argv[4] if len(sys.argv) > 4 else "0.43,0.6,0.8,0.6c").split(",")
 FREE = os.environ.get("FREE") == "1"  # the oracle's drafts cost nothing (the stream is not run)
+WASTE_FREE = os.environ.get("WASTE_FREE") == "1"  # also the arms that skip the rows that will be rejected
 DRAFT = os.environ.get("DRAFT", "pays")  # when the oracle arms draft (the ``draft`` option)
 WARM = 5  # prompts each arm answers untimed before the timed ones (its ledger's trials start there)
 engine, ids = warmed_first_turns(n_prompts, threads)
@@ -79,7 +82,36 @@ def with_oracle(spec, a: float, sure: bool, seed: int = 0):
     return spec
 
 
+def waste_free(spec):
+    """``spec`` verifying only the rows its tree chose that will be accepted (the oracle knows the full model's tokens):
+    the same tokens, every pass without the rows it would have wasted."""
+    real_round, real_choose = spec.round, spec.choose
+
+    def round_(state, cache, tok, *rest):
+        answer, plen = answers[now["prompt"]], len(ids[now["prompt"]])
+        now["truth"] = answer[cache.length - plen + 1 :]
+        return real_round(state, cache, tok, *rest)
+
+    def choose(tree, room, calib, steps, costs=None):
+        truth = now["truth"]
+
+        def right(r):
+            while r > 0:
+                if tree.depths[r] > len(truth) or tree.tokens[r] != truth[tree.depths[r] - 1]:
+                    return False
+                r = tree.parents[r]
+            return True
+
+        return [r for r in real_choose(tree, room, calib, steps, costs) if r == 0 or right(r)]
+
+    spec.round, spec.choose = round_, choose
+    return spec
+
+
 arms = {"vanilla": None, "copies alone": fresh(draft="never"), "shipped stream": fresh()}
+if WASTE_FREE:
+    arms["copies alone, no wasted rows"] = waste_free(fresh(draft="never"))
+    arms["shipped stream, no wasted rows"] = waste_free(fresh())
 for arm in agreements:
     a, sure = float(arm.rstrip("c")), arm.endswith("c")
     arms[f"oracle a={a:.2f}{', calibrated' if sure else ''}"] = with_oracle(fresh(draft=DRAFT), a, sure)

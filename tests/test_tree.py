@@ -21,6 +21,7 @@ from m2r2.decoding.tree import (
     EVERY_MATCH,
     NO_OPINION,
     OPINION_PRIORS,
+    STORE_CALIBS,
     DraftLedger,
     Tree,
     TreeCosts,
@@ -169,6 +170,34 @@ def test_a_copied_chain_is_priced_by_its_match_and_what_the_answer_store_says_of
     first, later = OPINION_PRIORS[PLAIN][AGREES]
     assert agrees.path_probs(2) == pytest.approx([first, first * later])
     assert differs.path_probs(1)[0] < agrees.path_probs(1)[0]
+
+
+def test_the_answer_store_s_chain_is_calibrated_for_its_first_node_and_its_later_ones_apart():
+    """``store_calib="depth"`` (the default): a store chain's first node is as sure as the sequence's first-node
+    calibration times its share, a later one (given its parent) as its later-node calibration times its share, and
+    rounds move each by its own nodes; ``chain`` (the ablation): one factor on the shares' products. Tokens stay the
+    plain greedy ones either way."""
+
+    class Store:  # proposes the next tokens of a fixed cycle: right wherever the answer follows it
+        def propose(self, context: list[int], k: int) -> tuple[list[int], list[float]]:
+            last = context[-1]
+            return [(last + 1 + i) % 64 for i in range(k)], [0.9] * k
+
+    tree, state = Tree([7], [-1], [0], [1.0], [None]), TreeState(answer_calib=0.8, answer_deeper=0.5)
+    TreeSpeculative._copy_in(tree, state, [], ([8, 9], [0.9, 0.9]))
+    assert [tree.copy_probs[r] for r in (1, 2)] == pytest.approx([0.72, 0.72 * 0.45])
+    tree = Tree([7], [-1], [0], [1.0], [None])
+    TreeSpeculative._copy_in(tree, state, [], ([8, 9], [0.9, 0.9]), store_calib="chain")
+    assert [tree.copy_probs[r] for r in (1, 2)] == pytest.approx([0.72, 0.8 * 0.81])
+    model = tiny_model(seed=1)
+    fast = SeededFastStream(model, SeededConfig.build(4, depth=2, rank=2)).eval()
+    prompt, gen = [3, 9, 27, 17], GenerationConfig(max_new_tokens=30)
+    ref = Autoregressive(model, []).generate(prompt, gen)
+    for calib in STORE_CALIBS:
+        spec = TreeSpeculative("m2r2", model, fast, [], None, lookup=6, answers=Store(), store_calib=calib)
+        assert spec.generate(prompt, gen).tokens == ref.tokens
+    with pytest.raises(SettingsError, match="store_calib must be one of"):
+        TreeSpeculative("m2r2", model, fast, [], None, store_calib="none")
 
 
 def test_the_draft_ledger_drafts_where_the_drafters_own_tokens_have_paid_for_its_time(tmp_path):

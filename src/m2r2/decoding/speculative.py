@@ -324,6 +324,7 @@ def _m2r2(
     head_bits: int = 4,
     draft: str = "pays",
     copy_price: str = "opinion",
+    store_calib: str = "depth",
 ) -> SelfSpeculative | TreeSpeculative:
     """Seeded adapters (the shipped default where they exist) draft token trees; prefix adapters draft chains.
     ``online_costs``: trees correct the measured verify costs by each answer's own passes
@@ -334,7 +335,8 @@ def _m2r2(
     propose nothing), ``never`` (copies alone: what the stream adds beside them). ``copy_price``: how a tree prices
     prompt lookup's copied nodes: by their match class (a long match, a split n-gram or another) and whether the answer
     store proposes the same first token (``opinion``, the default), by their match class alone (``match``) or by depth
-    alone (``depth``, :data:`m2r2.decoding.tree.COPY_PRICES`).
+    alone (``depth``, :data:`m2r2.decoding.tree.COPY_PRICES`). ``store_calib``: the answer store's chains calibrated
+    per sequence for their first node and their later ones apart (``depth``, the default) or by one factor (``chain``).
     ``head_bits``: a seeded stream's draft head in the C++ kernels'
     4-bit blocks (4, the default) or 8-bit ones (8): half the bytes a draft reads (the start of a drafting round
     0.099 -> 0.078 of a step, a level 0.025 -> 0.022) for 0.012 less agreement at the first draft; drafts only,
@@ -350,6 +352,7 @@ def _m2r2(
         drafter = SeededDrafter(fast.to(engine.model.device).freeze(merge=True, head_bits=head_bits))
         tree = (max_nodes, max_depth, width, branch, lookup)
         extra = {"answers": answers, "online_costs": online_costs, "draft": draft, "copy_price": copy_price}
+        extra["store_calib"] = store_calib
         return build_tree_speculative("m2r2", engine, drafter, adaptive, cost_cache, *tree, **extra)
     return build_self_speculative("m2r2", engine, fast, max_draft, stop_below, use_arla, adaptive, cost_cache)
 

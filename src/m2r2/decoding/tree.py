@@ -38,6 +38,7 @@ import contextlib
 import itertools
 import json
 import math
+import operator
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -374,6 +375,21 @@ def opinion_table(match: int, opinion: int) -> int:
 #: where a sequence's answer-store calibration starts: replayed on MT-Bench answers, a store token was
 #: right 0.6-0.8 times as often as its share says (experiments/answer_store_replay.out.txt)
 ANSWER_CALIB = 0.75
+#: ... and that of a store chain's later nodes, given their parent was accepted: in real generation, a first node was
+#: accepted about as often as its calibrated share said, a later one 0.73-0.80 times as often as its share where that
+#: was 0.8+ (``experiments/waste_by_source.py``), so a chain's depths are calibrated apart
+ANSWER_DEEPER = 0.78
+#: how a sequence calibrates the answer store's chains: the first node and the later ones apart (``depth``, the
+#: default) or one factor on the shares' products (``chain``, until the forty-third round)
+STORE_CALIBS = ("depth", "chain")
+
+
+def _calibrated(calib: float, offered: list[tuple[int, float]], path: list[int]) -> float:
+    """A running calibration moved toward how many of ``offered`` (nodes with their predicted chances before it)
+    were accepted (on ``path``) over how many it predicted."""
+    hits = sum(1 for r, _ in offered if r in path)
+    ratio = (hits + 0.1) / (sum(p for _, p in offered) + 0.1)
+    return 0.9 * calib + 0.1 * min(1.5, ratio)
 
 
 @dataclass
@@ -403,8 +419,10 @@ class TreeState:
             *(LookupStats(prior=first, deeper=later) for row in OPINION_PRIORS for first, later in row),
         ]
     )
-    #: the answer store's chains: a node's chance is this times the product of the shares up to it
+    #: the answer store's chains: the first node's chance is this times its share, a later node's (given its parent)
+    #: ``answer_deeper`` times its share
     answer_calib: float = ANSWER_CALIB
+    answer_deeper: float = ANSWER_DEEPER
     copied_accepted: int = 0
     exits: int = 0  # lossy exits (``exit_threshold``): drafts accepted on the fast stream's confidence
     exits_agreed: int = 0  # ... whose token the full model would have chosen too
@@ -547,6 +565,7 @@ class TreeSpeculative:
         online_costs: bool = True,
         draft: str = "pays",
         copy_price: str = "opinion",
+        store_calib: str = "depth",
     ) -> None:
         limit = min(CACHE_SLACK, ROW_INVARIANT_MAX_ROWS) - 1
         if not 1 <= max_nodes <= limit:
@@ -560,6 +579,8 @@ class TreeSpeculative:
             raise SettingsError(f"draft must be one of {', '.join(DRAFT_WHEN)}, got {draft!r}")
         if copy_price not in COPY_PRICES:
             raise SettingsError(f"copy_price must be one of {', '.join(COPY_PRICES)}, got {copy_price!r}")
+        if store_calib not in STORE_CALIBS:
+            raise SettingsError(f"store_calib must be one of {', '.join(STORE_CALIBS)}, got {store_calib!r}")
         if isinstance(drafter, SeededFastStream):
             drafter = SeededDrafter(drafter)
         self.name, self.model, self.drafter, self.eos_ids, self.decode = name, model, drafter, eos_ids, decode
@@ -569,8 +590,8 @@ class TreeSpeculative:
         self.online_costs = online_costs
         #: when the drafter drafts (:data:`DRAFT_WHEN`); ``pays``: where the ledger says it has paid, over every answer
         self.draft_when, self.ledger = draft, DraftLedger()
-        #: how copied nodes are priced (:data:`COPY_PRICES`)
-        self.copy_price = copy_price
+        #: how copied nodes are priced (:data:`COPY_PRICES`), the answer store's calibrated (:data:`STORE_CALIBS`)
+        self.copy_price, self.store_calib = copy_price, store_calib
         #: base layers whose outputs the drafter fuses into its seeds (a tapped seeded stream), else []
         self.taps: list[int] = list(getattr(drafter, "taps", []))
         #: lossy dynamic compute (``m2r2-dynamic``): a draft whose own probability reaches this exits at the
@@ -828,7 +849,8 @@ class TreeSpeculative:
             steps = max(tree.depths)
             state.draft_steps += steps
             state.draft_rounds += 1
-        looked, stored = self._copy_in(tree, state, looked_chain, stored_chain, match)
+        looked, stored = self._copy_in(tree, state, looked_chain, stored_chain, match, self.store_calib)
+        shares = stored_chain[1]
         if len(tree.tokens) > 1:
             rows = self.choose(tree, room, state.calib, steps, costs) if gen.greedy else self._chain(tree, room)
         n_rows = len(rows)
@@ -854,11 +876,16 @@ class TreeSpeculative:
         offered = [r for r in looked if r in rows]
         if offered:  # the copied chain's rows are a prefix of it (ancestor-closed); count its depths
             state.copies[match].record(len(offered), sum(1 for r in offered if r in path))
-        stored = [(r, p) for r, p in stored if r in rows]
-        if stored:  # calibrate the store's shares against how many of its offered nodes were accepted
-            hits = sum(1 for r, _ in stored if r in path)
-            ratio = (hits + 0.1) / (sum(p for _, p in stored) + 0.1)
-            state.answer_calib = 0.9 * state.answer_calib + 0.1 * min(1.5, ratio)
+        if self.store_calib == "chain":  # one calibration of the shares' products, over every offered node
+            first = [(r, math.prod(shares[: tree.depths[r]])) for r, _ in stored if r in rows]
+            later: list[tuple[int, float]] = []
+        else:
+            first = [(r, p) for r, p in stored if r in rows and tree.depths[r] == 1]
+            later = [(r, p) for r, p in stored if r in rows and tree.depths[r] > 1 and tree.parents[r] in path]
+        if first:  # calibrate the store's shares against how many of its offered nodes were accepted: the first
+            state.answer_calib = _calibrated(state.answer_calib, first, path)
+        if later:  # ... and, apart, the later ones whose parent was
+            state.answer_deeper = _calibrated(state.answer_deeper, later, path)
         copied_on_path = sum(1 for r in path[1:] if r in tree.copy_probs)
         state.copied_accepted += copied_on_path
         displaced = 0  # of the drafter's tokens, those the next round's copy would have given had this one not drafted
@@ -886,7 +913,7 @@ class TreeSpeculative:
         if self.draft_when == "pays" and room > 0:
             if drafting:  # the drafter's own accepted nodes, and the rows the copies alone would have been given
                 alone = Tree([tok], [-1], [0], [1.0], [None])
-                self._copy_in(alone, state, looked_chain, stored_chain, match)
+                self._copy_in(alone, state, looked_chain, stored_chain, match, self.store_calib)
                 n_alone = len(self.choose(alone, room, state.calib, 0, costs)) if len(alone.tokens) > 1 else 1
                 gain = sum(1 for r in path[1:] if r not in tree.copy_probs) - displaced
                 self.ledger.record(kind, n + 1, seconds, n_rows, gain, n_alone)
@@ -901,18 +928,22 @@ class TreeSpeculative:
         looked_chain: list[int],
         stored_chain: tuple[list[int], list[float]],
         match: int = PLAIN,
+        store_calib: str = "depth",
     ) -> tuple[list[int], list[tuple[int, float]]]:
         """Add a round's copied chain to ``tree``: prompt lookup's (priced by the hit rates by depth of its match
-        class, ``match``), else the answer store's (as sure as the store is, calibrated per sequence). Returns lookup's
-        nodes and the store's (each with the product of shares up to it)."""
+        class, ``match``), else the answer store's (each node as sure as its share, calibrated per sequence: the first
+        node's and, given their parent, the later ones' apart; ``store_calib="chain"``: one calibration times the
+        shares' product). Returns lookup's nodes and the store's (each with its share)."""
         if looked_chain:
             return tree.add_copies(looked_chain, state.copies[match].path_probs(len(looked_chain))), []
         if not stored_chain[0]:
             return [], []
         chain, shares = stored_chain
-        sure = list(itertools.accumulate(shares, lambda a, b: a * b))
-        nodes = tree.add_copies(chain, [min(1.0, state.answer_calib * p) for p in sure])
-        return [], list(zip(nodes, sure, strict=True))
+        deeper = state.answer_deeper if store_calib == "depth" else 1.0
+        calib = [state.answer_calib, *[deeper] * (len(shares) - 1)]
+        sure = list(itertools.accumulate((min(1.0, c * p) for c, p in zip(calib, shares, strict=True)), operator.mul))
+        nodes = tree.add_copies(chain, sure)
+        return [], list(zip(nodes, shares, strict=True))
 
     def _copy_table(self, context: NgramIndex, match: int, chain: list[int]) -> int:
         """Which of :attr:`TreeState.copies` prices prompt lookup's ``chain`` (of match class ``match``), as
@@ -1197,6 +1228,7 @@ def build_tree_speculative(
     online_costs: bool = True,
     draft: str = "pays",
     copy_price: str = "opinion",
+    store_calib: str = "depth",
 ) -> TreeSpeculative:
     """A :class:`TreeSpeculative` drafting with ``drafter`` (in its inference form) and measured costs
     (``adaptive``; kept per machine and drafter shape in ``$M2R2_CACHE/costs`` for a day when ``cost_cache``;
@@ -1217,6 +1249,7 @@ def build_tree_speculative(
     tok = engine.tokenizer
     store = answer_store_for(engine.fingerprint, answers) if lookup else None
     tree = (max_nodes, max_depth, width, branch, costs, lookup, exit_threshold, store, online_costs, draft, copy_price)
+    tree = (*tree, store_calib)
     spec = TreeSpeculative(name, model, drafter, tok.eos_ids, tok.decode, *tree)
     spec.cost_file = path if cost_cache else None
     if path is not None and cost_cache:  # what drafting has bought here, kept beside the costs it was bought at
