@@ -35,8 +35,9 @@ TABLES = {  # the hit-rate tables of TreeState.copies, by what priced a chain
 }
 
 
-def counted_copy_in(tree, state, looked, stored, match=tree_mod.PLAIN):
-    nodes, from_store = copy_in(tree, state, looked, stored, match)
+def counted_copy_in(tree, state, looked, stored, *rest):
+    nodes, from_store = copy_in(tree, state, looked, stored, *rest)
+    match = rest[0] if rest else tree_mod.PLAIN
     now["source"] = f"lookup: {TABLES[match]}" if looked else "answer store" if stored[0] else "none"
     now["nodes"], now["store"] = {*nodes, *(r for r, _ in from_store)}, [r for r, _ in from_store]
     return nodes, from_store
