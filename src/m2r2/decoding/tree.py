@@ -375,9 +375,9 @@ def opinion_table(match: int, opinion: int) -> int:
 #: where a sequence's answer-store calibration starts: replayed on MT-Bench answers, a store token was
 #: right 0.6-0.8 times as often as its share says (experiments/answer_store_replay.out.txt)
 ANSWER_CALIB = 0.75
-#: ... and that of a store chain's later nodes, given their parent was accepted: in real generation, a first node was
-#: accepted about as often as its calibrated share said, a later one 0.73-0.80 times as often as its share where that
-#: was 0.8+ (``experiments/waste_by_source.py``), so a chain's depths are calibrated apart
+#: ... and that of a store chain's later nodes, given their parent was accepted: in real generation a first node was
+#: accepted about as often as its calibrated share said, the later ones 0.77 times as often as their shares said
+#: (``experiments/waste_by_source.py``), so a chain's depths are calibrated apart
 ANSWER_DEEPER = 0.78
 #: how a sequence calibrates the answer store's chains: the first node and the later ones apart (``depth``, the
 #: default) or one factor on the shares' products (``chain``, until the forty-third round)
