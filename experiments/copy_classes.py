@@ -12,7 +12,7 @@ import collections
 import sys
 import time
 
-from warmed import GEN, warmed_first_turns
+from warmed import GEN, tally, warmed_first_turns
 
 from m2r2.decoding.lookup import LookupStats
 
@@ -41,11 +41,7 @@ for rep in range(reps):
         for prompt in ids[1:]:
             t = time.perf_counter()
             r = engine.generate_ids(prompt, "m2r2", GEN, copy_price=price)
-            total, passes = totals[price], r.stats["verify_passes"]
-            total[0] += len(r.tokens)
-            total[1] += passes
-            total[2] += r.stats["verify_rows_per_pass"] * passes
-            total[3] += time.perf_counter() - t
+            tally(totals[price], r, time.perf_counter() - t)
 print(f"{engine.kernel} kernel, {threads} thread(s), MT-Bench first turns 2..{n_prompts}, {reps} passes each")
 print("| pricing | table (prior) | rounds | copied rows verified | accepted | first right | rows past them |")
 print("|---|--:|--:|--:|--:|--:|--:|")

@@ -29,7 +29,7 @@ import random
 import sys
 import time
 
-from warmed import GEN, warmed_first_turns
+from warmed import GEN, tally, warmed_first_turns
 
 from m2r2.decoding import build_strategy
 from m2r2.decoding.tree import DraftLedger, Tree
@@ -126,13 +126,8 @@ def answer(name, i, timed):
     seconds = time.perf_counter() - t
     assert r.tokens == answers[i], f"{name}: prompt {i} differs from vanilla"
     if timed:
-        passes = r.stats.get("verify_passes", len(r.tokens))
-        row = totals[name]
-        row[0] += len(r.tokens)
-        row[1] += passes
-        row[2] += r.stats.get("verify_rows_per_pass", 1.0) * passes
-        row[3] += seconds
-        row[4] += r.stats.get("drafting_share", 0.0) * passes
+        tally(totals[name], r, seconds)
+        totals[name][4] += r.stats.get("drafting_share", 0.0) * r.stats.get("verify_passes", len(r.tokens))
 
 
 for name in arms:

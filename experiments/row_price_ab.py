@@ -12,7 +12,7 @@ so a dearer row may pay; a factor that helps first turns may cost second turns, 
 import sys
 import time
 
-from warmed import GEN, warmed_first_turns
+from warmed import GEN, tally, warmed_first_turns
 
 from m2r2.decoding import tree as tree_mod
 
@@ -40,11 +40,7 @@ for rep in range(reps):
         for prompt in ids[1:]:
             t = time.perf_counter()
             r = engine.generate_ids(prompt, "m2r2", GEN)
-            row, passes = totals[factor], r.stats["verify_passes"]
-            row[0] += len(r.tokens)
-            row[1] += passes
-            row[2] += r.stats["verify_rows_per_pass"] * passes
-            row[3] += time.perf_counter() - t
+            tally(totals[factor], r, time.perf_counter() - t)
 print(f"{engine.kernel} kernel, {threads} thread(s), MT-Bench first turns 2..{n_prompts}, {reps} passes")
 print("| row priced at | tokens a second | tokens a pass | rows a pass | seconds |")
 print("|--:|--:|--:|--:|--:|")

@@ -38,6 +38,16 @@ def warmed_first_turns(n_prompts: int, threads: int, first: int = 0) -> tuple[En
     return engine, ids
 
 
+def tally(row: list, result, seconds: float) -> None:
+    """Add one answer to ``row`` (``[tokens, verify passes, verify rows, seconds]``: what the experiments that time
+    whole answers total; a method without verify passes counts a pass a token, a row a pass)."""
+    passes = result.stats.get("verify_passes", len(result.tokens))
+    row[0] += len(result.tokens)
+    row[1] += passes
+    row[2] += result.stats.get("verify_rows_per_pass", 1.0) * passes
+    row[3] += seconds
+
+
 def filled_context(model, prompt: list[int], ctx: int) -> tuple[KVCache, torch.Tensor]:
     """A bfloat16 cache with room for 64 more rows, prefilled with ``prompt`` repeated to ``ctx`` tokens, and
     those tokens ``[1, ctx]``: the real context the experiments that time one pass run their rows after."""
