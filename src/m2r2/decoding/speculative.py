@@ -351,8 +351,8 @@ def _m2r2(
     if isinstance(fast, SeededFastStream):
         drafter = SeededDrafter(fast.to(engine.model.device).freeze(merge=True, head_bits=head_bits))
         tree = (max_nodes, max_depth, width, branch, lookup)
-        extra = {"answers": answers, "online_costs": online_costs, "draft": draft, "copy_price": copy_price}
-        extra["store_calib"] = store_calib
+        extra = {"answers": answers, "online_costs": online_costs, "draft": draft}
+        extra |= {"copy_price": copy_price, "store_calib": store_calib}
         return build_tree_speculative("m2r2", engine, drafter, adaptive, cost_cache, *tree, **extra)
     return build_self_speculative("m2r2", engine, fast, max_draft, stop_below, use_arla, adaptive, cost_cache)
 

@@ -850,7 +850,6 @@ class TreeSpeculative:
             state.draft_steps += steps
             state.draft_rounds += 1
         looked, stored = self._copy_in(tree, state, looked_chain, stored_chain, match, self.store_calib)
-        shares = stored_chain[1]
         if len(tree.tokens) > 1:
             rows = self.choose(tree, room, state.calib, steps, costs) if gen.greedy else self._chain(tree, room)
         n_rows = len(rows)
@@ -876,12 +875,12 @@ class TreeSpeculative:
         offered = [r for r in looked if r in rows]
         if offered:  # the copied chain's rows are a prefix of it (ancestor-closed); count its depths
             state.copies[match].record(len(offered), sum(1 for r in offered if r in path))
+        offered_store = [(r, p) for r, p in stored if r in rows]
         if self.store_calib == "chain":  # one calibration of the shares' products, over every offered node
-            first = [(r, math.prod(shares[: tree.depths[r]])) for r, _ in stored if r in rows]
-            later: list[tuple[int, float]] = []
+            first, later = offered_store, []
         else:
-            first = [(r, p) for r, p in stored if r in rows and tree.depths[r] == 1]
-            later = [(r, p) for r, p in stored if r in rows and tree.depths[r] > 1 and tree.parents[r] in path]
+            first = [(r, p) for r, p in offered_store if tree.depths[r] == 1]
+            later = [(r, p) for r, p in offered_store if tree.depths[r] > 1 and tree.parents[r] in path]
         if first:  # calibrate the store's shares against how many of its offered nodes were accepted: the first
             state.answer_calib = _calibrated(state.answer_calib, first, path)
         if later:  # ... and, apart, the later ones whose parent was
@@ -933,7 +932,8 @@ class TreeSpeculative:
         """Add a round's copied chain to ``tree``: prompt lookup's (priced by the hit rates by depth of its match
         class, ``match``), else the answer store's (each node as sure as its share, calibrated per sequence: the first
         node's and, given their parent, the later ones' apart; ``store_calib="chain"``: one calibration times the
-        shares' product). Returns lookup's nodes and the store's (each with its share)."""
+        shares' product). Returns lookup's nodes and the store's, each with what its calibration scales (its share;
+        under ``chain`` the shares' product up to it)."""
         if looked_chain:
             return tree.add_copies(looked_chain, state.copies[match].path_probs(len(looked_chain))), []
         if not stored_chain[0]:
@@ -943,7 +943,8 @@ class TreeSpeculative:
         calib = [state.answer_calib, *[deeper] * (len(shares) - 1)]
         sure = list(itertools.accumulate((min(1.0, c * p) for c, p in zip(calib, shares, strict=True)), operator.mul))
         nodes = tree.add_copies(chain, sure)
-        return [], list(zip(nodes, shares, strict=True))
+        scaled = shares if store_calib == "depth" else list(itertools.accumulate(shares, operator.mul))
+        return [], list(zip(nodes, scaled, strict=True))
 
     def _copy_table(self, context: NgramIndex, match: int, chain: list[int]) -> int:
         """Which of :attr:`TreeState.copies` prices prompt lookup's ``chain`` (of match class ``match``), as
@@ -1249,8 +1250,7 @@ def build_tree_speculative(
     tok = engine.tokenizer
     store = answer_store_for(engine.fingerprint, answers) if lookup else None
     tree = (max_nodes, max_depth, width, branch, costs, lookup, exit_threshold, store, online_costs, draft, copy_price)
-    tree = (*tree, store_calib)
-    spec = TreeSpeculative(name, model, drafter, tok.eos_ids, tok.decode, *tree)
+    spec = TreeSpeculative(name, model, drafter, tok.eos_ids, tok.decode, *tree, store_calib=store_calib)
     spec.cost_file = path if cost_cache else None
     if path is not None and cost_cache:  # what drafting has bought here, kept beside the costs it was bought at
         spec.ledger_file = path.with_name(f"ledger-{path.name}")
