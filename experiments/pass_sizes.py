@@ -1,7 +1,7 @@
 """Where an `m2r2` pass's time goes: the base model's layers timed per pass size (rows, tree mask or not)
 inside real `m2r2` and `vanilla` generation on MT-Bench first turns, after a warm-up.
 
-    python experiments/pass_sizes.py [PROMPTS]
+    python experiments/pass_sizes.py [PROMPTS] [THREADS]
 """
 
 import collections
@@ -13,7 +13,8 @@ from warmed import GEN as gen
 from warmed import warmed_first_turns
 
 n_prompts = int(sys.argv[1]) if len(sys.argv) > 1 else 8
-engine, ids = warmed_first_turns(n_prompts, 1)
+threads = int(sys.argv[2]) if len(sys.argv) > 2 else 1
+engine, ids = warmed_first_turns(n_prompts, threads)
 model = engine.model
 times: dict[tuple[int, bool], list[float]] = collections.defaultdict(list)
 run_layers = model.run_layers
@@ -27,7 +28,7 @@ def timed(x, cache, start, hidden=None, stop=None, positions=None, mask=None):
 
 
 model.run_layers = timed
-print(f"{engine.kernel} kernel, 1 thread, {n_prompts - 1} prompts timed")
+print(f"{engine.kernel} kernel, {threads} thread(s), {n_prompts - 1} prompts timed")
 for method in ("vanilla", "m2r2"):
     times.clear()
     t0, tokens = time.perf_counter(), 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -202,6 +203,7 @@ def test_run_bench_end_to_end(engine, tmp_path: Path, monkeypatch: pytest.Monkey
         assert m["tokens_per_s"] > 0 and m["total_seconds"] > 0 and 0 < m["mean_new_tokens"] <= 24
         assert m["forward_passes"] >= 1  # numeric stats averaged per method
     assert methods["vanilla"]["speedup"] == 1.0 and methods["vanilla"]["layers_per_token"] == 30
+    assert all(m["speedup_ci"] is None for m in methods.values())  # 2 prompts: too few for a 95% interval
     assert "mean_accepted" in methods["hf-pld"]
 
     two_turn = saved["prompts"][1]
@@ -313,7 +315,55 @@ def test_report_table_puts_the_drafting_counts_beside_the_timings() -> None:
         }
     }  # fmt: skip
     lines = markdown_table(results).splitlines()
-    assert [c.strip() for c in lines[0].strip("|").split("|")][6:11] == [
+    assert [c.strip() for c in lines[0].strip("|").split("|")][3:5] == ["speedup", "95% CI"]
+    assert [c.strip() for c in lines[0].strip("|").split("|")][7:12] == [
         "mean accepted", "acceptance", "copied/token", "drafted", "draft cost",
     ]  # fmt: skip
     assert "| - | - | - | - | - |" in lines[2] and "| 1.50 | 0.25 | 0.12 | 0.38 | 0.10 |" in lines[3]
+    assert "| 1.00x | - | 100% |" in lines[3]  # no interval given: none shown
+    results["methods"]["m2r2"]["speedup_ci"] = [0.91, 1.24]
+    assert "| 1.00x | 0.91-1.24 | 100% |" in markdown_table(results).splitlines()[3]
+
+
+def test_median_interval_is_the_sign_test_s_and_covers_as_it_says() -> None:
+    """The order statistics of the distribution-free interval (k = 6 of 20 at 95%: P(Bin(20, 1/2) <= 5) = 0.0207),
+    none under 6 values, and its coverage of a skewed distribution's median over many samples is the level it
+    promises (0.9586 at 20 values), not less."""
+    import random
+
+    from m2r2.bench.intervals import median_interval
+
+    assert median_interval(range(1, 21)) == (6, 15)
+    assert median_interval([3.0, 1.0, 2.0, 6.0, 5.0, 4.0]) == (1.0, 6.0)  # k = 1: 1 - 2 / 64 = 0.969
+    assert median_interval([1.0, 2.0, 3.0, 4.0, 5.0]) is None  # 1 - 2 / 32 = 0.9375 < 0.95
+    assert median_interval([]) is None
+    assert median_interval(range(1, 21), level=0.5) == (8, 13)  # P(Bin(20, 1/2) <= 7) = 0.132, <= 8: 0.252
+    with pytest.raises(ValueError, match="level"):
+        median_interval([1.0] * 10, level=1.0)
+    rng = random.Random(13)
+    median = math.log(2.0)  # of the unit exponential
+    trials = 4000
+    covered = 0
+    for _ in range(trials):
+        lo, hi = median_interval([rng.expovariate(1.0) for _ in range(20)])  # type: ignore[misc]
+        covered += lo <= median <= hi
+    assert abs(covered / trials - 0.9586) < 0.015, covered / trials
+
+
+def test_head_to_head_compares_the_method_under_test_with_each_later_one_prompt_by_prompt() -> None:
+    """The table's ratios come from the same prompt's two timings (m2r2 at 1.1x eagle's tokens/s on every prompt
+    reads 1.100 with a 1.100 interval), per dataset; a run with one method besides its baseline has none."""
+    from m2r2.bench.report import head_to_head
+
+    def row(dataset: str, tps: dict[str, float]) -> dict:
+        return {"dataset": dataset, "methods": {m: {"tokens_per_s": t} for m, t in tps.items()}}
+
+    prompts = [row("koala", {"vanilla": 10.0, "m2r2": 11.0 * (1 + i), "eagle": 10.0 * (1 + i)}) for i in range(8)]
+    prompts += [row("wizardlm", {"vanilla": 10.0, "m2r2": 9.0 + i, "eagle": 10.0}) for i in range(8)]
+    lines = head_to_head({"prompts": prompts}).splitlines()
+    assert lines[0].startswith("| dataset | method | against | median ratio of tokens/s | 95% CI |")
+    assert lines[2] == "| koala | m2r2 | eagle | 1.100 | 1.100-1.100 | 8 of 8 |"
+    # wizardlm: ratios 0.9, 1.0, ..., 1.6 -> median 1.25; k = 1 of 8 at 95% -> 0.9-1.6; faster on 6
+    assert lines[3] == "| wizardlm | m2r2 | eagle | 1.250 | 0.900-1.600 | 6 of 8 |"
+    assert head_to_head({"prompts": [row("koala", {"vanilla": 1.0, "m2r2": 2.0})]}) == ""
+    assert head_to_head({}) == ""

@@ -17,6 +17,7 @@ from typing import Any
 from tqdm import tqdm
 
 from m2r2.bench.datasets import Dataset, Prompt, load_dataset
+from m2r2.bench.intervals import median_interval
 from m2r2.bench.report import write_report
 from m2r2.bench.results import BenchSettings, check_out_dir, environment, save_results
 from m2r2.cache import Conversation
@@ -180,6 +181,7 @@ def run_one(
             "method": m,
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in per),
             "speedup": statistics.median(speedups) if speedups else 0.0,
+            "speedup_ci": median_interval(speedups),  # 95%, distribution-free (None under 6 prompts)
             "identical": sum(r["identical"] for r in per) / len(per),
             "mean_new_tokens": statistics.fmean(r["tokens"] for r in per),
             "total_seconds": sum(r["seconds"] for r in per),
