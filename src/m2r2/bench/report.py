@@ -108,8 +108,10 @@ def plot(results: dict[str, Any], path: Path, dataset: str | None = None) -> Non
         ]
         shown = errors if any(s.get(f"{key}_ci") for s in stats) else None
         bars = ax.bar(labels, values, color=colors, yerr=shown, capsize=3, error_kw={"linewidth": 0.8})
-        ax.bar_label(bars, labels=[fmt.format(v) for v in values], padding=2, fontsize=8)
-        ax.set_title(title)
+        # inside the bars where error bars stand on their tops
+        where = {"label_type": "center", "color": "white"} if shown else {"padding": 2}
+        ax.bar_label(bars, labels=[fmt.format(v) for v in values], fontsize=8, **where)
+        ax.set_title(title + (", 95% interval" if shown else ""))
         ax.tick_params(axis="x", rotation=30, labelsize=8)
         ax.set_ylim(0, max([*values, *(hi for _, hi in spans), 1e-9]) * 1.18)
     axes[1].axhline(1.0, color="gray", linewidth=0.8, linestyle="--")
