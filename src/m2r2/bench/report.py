@@ -22,6 +22,11 @@ def header_line(results: dict[str, Any]) -> str:
     )
 
 
+def _span(ci: Any, digits: int) -> str:
+    """An interval's cell: ``lo-hi``, or "-" where there is none."""
+    return "-" if not ci else f"{ci[0]:.{digits}f}-{ci[1]:.{digits}f}"
+
+
 def markdown_table(results: dict[str, Any]) -> str:
     """One row per (dataset, method); speedup and identical are against each run's first method, the speedup with
     its 95% interval (:func:`~m2r2.bench.intervals.median_interval`; "-" under 6 prompts). The
@@ -39,10 +44,9 @@ def markdown_table(results: dict[str, Any]) -> str:
         return "-" if m.get(key) is None else f"{m[key]:.2f}"
 
     for m in results["methods"].values():
-        ci = m.get("speedup_ci")
-        span = "-" if not ci else f"{ci[0]:.2f}-{ci[1]:.2f}"
         rows.append(
-            f"| {m['dataset']} | {m['method']} | {m['tokens_per_s']:.1f} | {m['speedup']:.2f}x | {span} | "
+            f"| {m['dataset']} | {m['method']} | {m['tokens_per_s']:.1f} | {m['speedup']:.2f}x | "
+            f"{_span(m.get('speedup_ci'), 2)} | "
             f"{m['identical']:.0%} | {m['mean_new_tokens']:.1f} | {cell(m, 'mean_accepted')} | "
             f"{cell(m, 'acceptance_rate')} | {cell(m, 'copied_accepted_per_token')} | {cell(m, 'drafting_share')} | "
             f"{cell(m, 'draft_cost')} | "
@@ -68,10 +72,9 @@ def head_to_head(results: dict[str, Any]) -> str:
             ratios = [a / b for a, b in pairs if b > 0]
             if not ratios:
                 continue
-            ci = median_interval(ratios)
             lines.append(
                 f"| {dataset} | {names[1]} | {other} | {statistics.median(ratios):.3f} | "
-                f"{'-' if not ci else f'{ci[0]:.3f}-{ci[1]:.3f}'} | {sum(r > 1 for r in ratios)} of {len(ratios)} |"
+                f"{_span(median_interval(ratios), 3)} | {sum(r > 1 for r in ratios)} of {len(ratios)} |"
             )
     if not lines:
         return ""

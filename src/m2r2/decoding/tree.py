@@ -1234,8 +1234,8 @@ def build_tree_speculative(
     """A :class:`TreeSpeculative` drafting with ``drafter`` (in its inference form) and measured costs
     (``adaptive``; kept per machine and drafter shape in ``$M2R2_CACHE/costs`` for a day when ``cost_cache``;
     corrected by each sequence's own verify passes when ``online_costs``, :class:`VerifyFit`), plus up to
-    ``lookup`` tokens of prompt lookup per round (0 = off; a long match's chain up to the round's room, where
-    ``copy_price="match"``; :mod:`m2r2.decoding.lookup`), lossy exits at
+    ``lookup`` tokens of prompt lookup per round (0 = off; a long match's chain up to the round's room, unless
+    ``copy_price="depth"``; :mod:`m2r2.decoding.lookup`), lossy exits at
     ``exit_threshold`` (None = lossless)."""
     model = engine.model
     costs, path = None, None
