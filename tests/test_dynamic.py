@@ -360,7 +360,10 @@ def test_real_model_bf16_threshold_one_is_plain_greedy(real_engine_bf16) -> None
         low = engine.generate_ids(ids, "m2r2-dynamic", gen, threshold=0.0, adapters=prefix)
         assert low.stats["exit_rate"] > 0.5 and low.stats["mean_exit_layer"] == 10
         low = engine.generate_ids(ids, "m2r2-dynamic", gen, threshold=0.0)
-        assert low.stats["exit_rate"] > 0.5 and low.stats["exits"] > 0
+        # at threshold 0 every accepted node exits; how many nodes a round verifies is the cost model's choice from
+        # timed costs (an exit rate of 0.478 on one CI run, above 0.5 on others), so the count is checked, not a share
+        accepted = round((low.stats["mean_accepted"] - 1) * low.stats["verify_passes"])
+        assert low.stats["exits"] == accepted > 0
     with pytest.raises(SettingsError, match=r"prefix adapters only.*backoff"):
         engine.strategy("m2r2-dynamic", backoff=2)
 
