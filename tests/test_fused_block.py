@@ -285,6 +285,7 @@ def test_a_prefill_on_the_fused_blocks_gives_each_row_the_bits_of_short_passes(
     prompt = torch.randint(0, 320, (1, 70), generator=torch.Generator().manual_seed(3))
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
+    was = amx.avx2_extension().set_bf16_prefill(False)  # the int8 loops' prefill (an AMX CPU's tiles: the next test)
     results, calls, original = [], [], amx.avx2_extension().stack_forward
     monkeypatch.setattr(amx.avx2_extension(), "stack_forward", lambda *a: (calls.append(1), original(*a))[1])
     try:
@@ -305,9 +306,82 @@ def test_a_prefill_on_the_fused_blocks_gives_each_row_the_bits_of_short_passes(
             results.append((torch.cat(outs, dim=1), per_layer, cache.k.clone(), cache.v.clone()))
     finally:
         torch.set_num_threads(before)
+        amx.avx2_extension().set_bf16_prefill(was)
     for out, layers, k, v in results[1:]:
         assert torch.equal(out, results[0][0]) and torch.equal(k, results[0][2]) and torch.equal(v, results[0][3])
         assert len(layers) == 3 and all(torch.equal(a, b) for a, b in zip(layers, results[0][1], strict=True))
+
+
+needs_bf16_prefill = pytest.mark.skipif(
+    amx.avx2_extension() is None or not amx.avx2_extension().bf16_prefill_in_use(),
+    reason="no AMX-BF16 tiles for prefills here",
+)
+
+
+@needs_avx2
+@needs_bf16_prefill
+def test_the_prefill_tiles_multiply_the_widened_weights(tiny_model) -> None:
+    """The prefill's AMX-BF16 linear (``csrc_avx2/prefill_amx.cpp``) is the 4- or 8-bit weight widened to bfloat16
+    times the bfloat16 rows, summed in float32. Rows of the identity read the widened weights back: the model's
+    bfloat16 weights, but for a rare bfloat16 unit where ``d q + m`` falls halfway and the model's came rounded
+    another way (a nibble or column out of place would be a quantization step off, and often). Against those weights
+    times the rows in float64, each output is off by at most its own rounding to bfloat16 and float32 sums (rows past
+    a whole tile included)."""
+    from m2r2.kernels import dense_weight
+
+    d = tiny_model(hidden_size=128, intermediate_size=192, vocab_size=320, layers=1)
+    model = load_model(d, torch.bfloat16, kernel="q4-avx2").model
+    ext = amx.avx2_extension()
+    block = model.layers[0]
+    g = torch.Generator().manual_seed(1)
+    for lin, bits in ((block.attn.wqkv, 4), (block.mlp.w13, 4), (block.mlp.w2, 4), (model.lm_head, 8)):
+        eye = torch.eye(lin.in_features, dtype=torch.bfloat16)
+        widened = ext.bf16_linear(eye, lin.qbytes, lin.scales, bits).T.double()  # [N, K]
+        w = dense_weight(lin).bfloat16().double()
+        unit = 2.0 ** (torch.floor(torch.log2(w.abs().clamp_min(2.0**-100))) - 7)
+        assert ((widened - w).abs() <= unit).all() and (widened != w).double().mean() < 0.02
+        for m in (33, 47, 80):
+            x = torch.randn(m, lin.in_features, generator=g).bfloat16()
+            y = ext.bf16_linear(x, lin.qbytes, lin.scales, bits).double()
+            want = x.double() @ widened.T
+            tol = want.abs() * 2.0**-8 + (x.double().abs() @ widened.abs().T) * 2.0**-20
+            assert y.shape == want.shape and ((y - want).abs() <= tol).all()
+
+
+@needs_avx2
+@needs_bf16_prefill
+def test_a_prefill_on_the_bf16_tiles_gives_each_row_the_bits_of_any_split(tiny_model, monkeypatch) -> None:
+    """On an AMX CPU a prompt of more than 32 rows prefills on bfloat16 tiles: bits of their own, but still each
+    row's own (a prompt split into any pieces of more than 32 rows gets the same states and cache), and close to the
+    int8 loops' prefill; a longer prompt than ``PREFILL_MAX_ROWS`` is cut into equal pieces, none of a verify pass's
+    length (so none leaves the tiles)."""
+    d = tiny_model(hidden_size=64, intermediate_size=128, vocab_size=320, layers=3)
+    model = load_model(d, torch.bfloat16, kernel="q4-avx2").model
+    ext = amx.avx2_extension()
+    prompt = torch.randint(0, 320, (1, 70), generator=torch.Generator().manual_seed(3))
+    sizes = []
+    original = ext.stack_forward
+    monkeypatch.setattr(ext, "stack_forward", lambda *a: (sizes.append(a[1].shape[0]), original(*a))[1])
+
+    def prefill(piece: int, tiles: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        monkeypatch.setattr(model_mod, "PREFILL_MAX_ROWS", piece)
+        was = ext.set_bf16_prefill(tiles)
+        try:
+            with torch.inference_mode():
+                cache = model.new_cache(80)
+                out = model.run_layers(model.embed_tokens(prompt), cache, 0)
+        finally:
+            ext.set_bf16_prefill(was)
+        return out, cache.k.clone()
+
+    whole, k = prefill(512)
+    for piece in (40, 36):  # 35 + 35 rows both times (never 40 + 30: a 30-row pass would take the int8 loops)
+        sizes.clear()
+        out, kp = prefill(piece)
+        assert sizes == [35, 35] and torch.equal(out, whole) and torch.equal(kp, k)
+    int8, _ = prefill(512, tiles=False)
+    assert not torch.equal(int8, whole)
+    assert (int8.float() - whole.float()).abs().max() <= 0.05 * whole.float().abs().max()
 
 
 @needs_avx2

@@ -1044,7 +1044,9 @@ def test_positions_a_copy_already_drafts_weigh_copy_w_in_the_stream_loss(tmp_pat
 def test_a_store_built_on_the_decoding_kernel_holds_each_sequence_s_own_pass_and_keeps_its_kernel(tmp_path, tiny_model):
     """``store --kernel auto``: the stream then trains on the states it is seeded with at inference, so each
     stored sequence must hold the bits of a decoding-kernel pass over it alone and of its one-token steps, whatever
-    the store's batch; a resume on another kernel is refused."""
+    the store's batch (and not a prompt's prefill bits: ``amx.decoding_bits``); a resume on another kernel is
+    refused."""
+    from m2r2 import amx
     from m2r2.engine import Engine
     from m2r2.training.store import StoreSettings, TrainStore, build_store
 
@@ -1060,7 +1062,7 @@ def test_a_store_built_on_the_decoding_kernel_holds_each_sequence_s_own_pass_and
     st = TrainStore(tmp_path / "st", e.fingerprint)
     seqs = [q for i in range(len(st.shards)) for q in st.sequences(st.load_shard(i))]
     assert len(seqs) == 7 and len({len(q["tokens"]) for q in seqs}) > 1  # batches padded to their longest
-    with torch.inference_mode():
+    with torch.inference_mode(), amx.decoding_bits():
         for q in seqs:
             ids = q["tokens"].long()[None]
             cache = e.model.new_cache(ids.shape[1])

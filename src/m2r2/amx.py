@@ -28,6 +28,8 @@ import os
 import sys
 import time
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
@@ -77,6 +79,21 @@ def avx2_extension() -> ModuleType | None:
     if not all(cpu_has(f) for f in AVX2_CPU_FLAGS):
         return None
     return _build("q4_avx2", AVX2_SOURCES, AVX2_HEADERS, AVX2_FLAGS)
+
+
+@contextmanager
+def decoding_bits() -> Iterator[None]:
+    """Within: passes of any length get a decoding step's bits, as before a prompt's prefill took AMX-BF16 tiles
+    (``csrc_avx2/prefill_amx.cpp``, bits of their own). Why: what trains or measures the fast stream over whole
+    sequences in one pass (the training store, ``eval-align``) must see the states decoding steps and verify passes
+    give, which seed the stream at inference."""
+    ext = avx2_extension()
+    was = ext.set_bf16_prefill(False) if ext is not None and hasattr(ext, "set_bf16_prefill") else None
+    try:
+        yield
+    finally:
+        if was is not None:
+            ext.set_bf16_prefill(was)
 
 
 def _build(name: str, sources: list[Path], headers: list[Path], flags: list[str]) -> ModuleType | None:

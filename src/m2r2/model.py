@@ -498,9 +498,10 @@ FUSED_BLOCKS = os.environ.get("M2R2_NO_FUSED") != "1"
 
 #: the most rows a prefill runs on the fused C++ blocks at once (longer prompts go through them in pieces): each piece
 #: streams every weight once, and its element-wise steps and attention run its rows on every thread. A row's numbers
-#: never depend on the rows beside it, so a prefill's rows get the bits of passes of a few rows (tested); against the
-#: per-op path (torch's attention, one thread between the linears) prefills took 0.82-0.94 of the time at 40-600
-#: tokens (experiments/prefill_paths.py, 2 threads, Zen 4)
+#: never depend on the rows beside it: on the int8 loops a prefill's rows get the bits of passes of a few rows, and on
+#: an AMX CPU's bfloat16 tiles (csrc_avx2/prefill_amx.cpp, passes of more than ROW_INVARIANT_MAX_ROWS rows) the bits
+#: of any other split into such passes (tested); against the per-op path (torch's attention, one thread between the
+#: linears) prefills took 0.82-0.94 of the time at 40-600 tokens (experiments/prefill_paths.py, 2 threads, Zen 4)
 PREFILL_MAX_ROWS = 512
 
 
@@ -760,11 +761,14 @@ class Transformer(Tracked):
         """
         t = x.shape[1]
         prefill = mask is None and positions is None and t > ROW_INVARIANT_MAX_ROWS
-        if prefill and t > PREFILL_MAX_ROWS:  # a long prompt piece by piece (each on the fused blocks where they run)
+        if prefill and t > PREFILL_MAX_ROWS:
+            # a long prompt piece by piece (each on the fused blocks where they run), in pieces of equal size: none
+            # as short as a verify pass, so every row of a prompt takes a prefill's kernels (their own bits)
+            size = -(-t // -(-t // PREFILL_MAX_ROWS))
             outs, layers = [], [] if hidden is not None else None
-            for s0 in range(0, t, PREFILL_MAX_ROWS):
+            for s0 in range(0, t, size):
                 piece: list[Tensor] | None = [] if hidden is not None else None
-                outs.append(self.run_layers(x[:, s0 : s0 + PREFILL_MAX_ROWS], cache, pos + s0, piece, stop))
+                outs.append(self.run_layers(x[:, s0 : s0 + size], cache, pos + s0, piece, stop))
                 if layers is not None:
                     layers.append(piece)
             if layers:

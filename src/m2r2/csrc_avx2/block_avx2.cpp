@@ -128,12 +128,23 @@ struct Linear {
     return {2 * p0, std::min(2 * p1, blocks())};
   }
 
-  // output blocks [b0, b1) of `rows` rows from their int8 inputs (loop: loop_for(rows, blocks())), bias added
-  void run_blocks(Loop loop, const int8_t* xq, const float* step, const float* qsum, int64_t rows, uint16_t* y,
-                  int64_t b0, int64_t b1) const {
+  // the loop a pass of T rows takes here: a prefill's bfloat16 tiles (prefill_amx.cpp), else linear_rows' loop
+  Loop loop(int64_t T) const {
+    if (T >= PREFILL_MIN_ROWS && blocks() % 2 == 0 && bf16_prefill_in_use()) return Loop::bf16;
+    return loop_for(T, blocks());
+  }
+
+  // output blocks [b0, b1) of `rows` rows from their inputs (x: bfloat16 bits, read by Loop::bf16; the other loops
+  // read their int8 form xq, step, qsum), bias added
+  void run_blocks(Loop loop, const uint16_t* x, const int8_t* xq, const float* step, const float* qsum, int64_t rows,
+                  uint16_t* y, int64_t b0, int64_t b1) const {
     if (b0 >= b1) return;
-    linear_blocks(loop, bits, static_cast<const uint8_t*>(qbytes.data_ptr()), scales.data_ptr<at::Half>(), xq, step,
-                  qsum, rows, in, blocks(), y, b0, b1);
+    if (loop == Loop::bf16)
+      block_range_bf16(bits, static_cast<const uint8_t*>(qbytes.data_ptr()), scales.data_ptr<at::Half>(), x, rows, in,
+                       blocks(), y, b0, b1);
+    else
+      linear_blocks(loop, bits, static_cast<const uint8_t*>(qbytes.data_ptr()), scales.data_ptr<at::Half>(), xq, step,
+                    qsum, rows, in, blocks(), y, b0, b1);
     if (bias.defined()) {
       const auto* b = reinterpret_cast<const uint16_t*>(bias.data_ptr<at::BFloat16>());
       for (int64_t r = 0; r < rows; ++r) add_bf16(y + r * out + b0 * 8, b + b0 * 8, y + r * out + b0 * 8, (b1 - b0) * 8);
@@ -274,7 +285,8 @@ void norm_rows(const uint16_t* x, const torch::Tensor& nw, float eps, int64_t T,
     const at::BFloat16* row = as_bf16(x + t * d);
     rms_norm_range(row, nw.data_ptr<at::BFloat16>(), rms_scale(row, d, eps), 0, d, in.x + t * d);
   }
-  quantize_groups(as_bf16(in.x), T, d, 0, d / 32, offset_inputs(next.bits, loop), in.q, in.step, in.qsum);
+  if (loop != Loop::bf16)
+    quantize_groups(as_bf16(in.x), T, d, 0, d / 32, offset_inputs(next.bits, loop), in.q, in.step, in.qsum);
 }
 
 // out[c] = bf16(a[c] + out[c]) over columns of output blocks [b0, b1) of T rows n wide: a residual add, this thread's
@@ -290,8 +302,7 @@ void block_rows(const Team& team, const BlockWeights& w, const Rows& r, const ui
   const int64_t d = w.attn_norm.numel(), H = w.heads, KVH = w.kv_heads, D = w.head_dim;
   const float eps = static_cast<float>(w.eps);
   const int64_t nq = H * D, nkv = KVH * D, nqkv = nq + 2 * nkv, inter = w.w2.in;
-  const Loop lqkv = loop_for(T, w.qkv.blocks()), lo = loop_for(T, w.o.blocks());
-  const Loop l13 = loop_for(T, w.w13.blocks()), l2 = loop_for(T, w.w2.blocks());
+  const Loop lqkv = w.qkv.loop(T), lo = w.o.loop(T), l13 = w.w13.loop(T), l2 = w.w2.loop(T);
 
   const Inputs& mine = r.mine[team.id];
   prefetch_cache(team, c, pos, H, KVH, T, D);
@@ -299,7 +310,7 @@ void block_rows(const Team& team, const BlockWeights& w, const Rows& r, const ui
   {
     if (c.bf16 && pos + T >= amx_attention_min_keys() && amx_attention_in_use()) wake_amx_attention();
     const auto [b0, b1] = w.qkv.share(team);
-    w.qkv.run_blocks(lqkv, mine.q, mine.step, mine.qsum, T, r.y, b0, b1);
+    w.qkv.run_blocks(lqkv, mine.x, mine.q, mine.step, mine.qsum, T, r.y, b0, b1);
   }
   team.sync();
 
@@ -344,9 +355,10 @@ void block_rows(const Team& team, const BlockWeights& w, const Rows& r, const ui
   {  // the attention's output [T, H * D] as bfloat16 and the output projection's int8 inputs (this thread's own), the
      // projection and the residual add, this thread's columns
     for (int64_t i = 0; i < T * nq; i += 8) store8_bf16(mine.x + i, _mm256_loadu_ps(r.of + i));
-    quantize_groups(as_bf16(mine.x), T, nq, 0, nq / 32, offset_inputs(w.o.bits, lo), mine.q, mine.step, mine.qsum);
+    if (lo != Loop::bf16)
+      quantize_groups(as_bf16(mine.x), T, nq, 0, nq / 32, offset_inputs(w.o.bits, lo), mine.q, mine.step, mine.qsum);
     const auto [b0, b1] = w.o.share(team);
-    w.o.run_blocks(lo, mine.q, mine.step, mine.qsum, T, r.a, b0, b1);
+    w.o.run_blocks(lo, mine.x, mine.q, mine.step, mine.qsum, T, r.a, b0, b1);
     if (b0 < b1) add_blocks(xp, r.a, T, d, b0, b1);
   }
   team.sync();
@@ -355,19 +367,19 @@ void block_rows(const Team& team, const BlockWeights& w, const Rows& r, const ui
      // product there and the down projection's int8 inputs for those groups
     const auto [u0, u1] = team.share(inter / 32);
     const int64_t half = inter / 8;  // up's first block
-    w.w13.run_blocks(l13, mine.q, mine.step, mine.qsum, T, r.gu, 4 * u0, 4 * u1);
-    w.w13.run_blocks(l13, mine.q, mine.step, mine.qsum, T, r.gu, half + 4 * u0, half + 4 * u1);
+    w.w13.run_blocks(l13, mine.x, mine.q, mine.step, mine.qsum, T, r.gu, 4 * u0, 4 * u1);
+    w.w13.run_blocks(l13, mine.x, mine.q, mine.step, mine.qsum, T, r.gu, half + 4 * u0, half + 4 * u1);
     for (int64_t t = 0; t < T; ++t) {
       const at::BFloat16* g = as_bf16(r.gu + t * 2 * inter);
       silu_mul_range(g, g + inter, 32 * u0, 32 * u1, r.down.x + t * inter);
     }
-    if (u0 < u1)
+    if (u0 < u1 && l2 != Loop::bf16)
       quantize_groups(as_bf16(r.down.x), T, inter, u0, u1, offset_inputs(w.w2.bits, l2), r.down.q, r.down.step, r.down.qsum);
   }
   team.sync();
   {  // the down projection and the second residual add, this thread's columns
     const auto [b0, b1] = w.w2.share(team);
-    w.w2.run_blocks(l2, r.down.q, r.down.step, r.down.qsum, T, op, b0, b1);
+    w.w2.run_blocks(l2, r.down.x, r.down.q, r.down.step, r.down.qsum, T, op, b0, b1);
     if (b0 < b1) add_blocks(r.a, op, T, d, b0, b1);
   }
   team.sync();

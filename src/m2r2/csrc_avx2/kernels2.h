@@ -79,7 +79,8 @@ void linear_rows(int bits, const at::BFloat16* x, int64_t M, int64_t K, const ui
 // integers and bits on each), whether that loop wants its 8-bit inputs offset by 128, each row's int8 inputs for
 // groups [g0, g1) of 32 (x, q rows K apart; step, qsum rows K / 32 apart), and output blocks [b0, b1) (whole pairs:
 // b0 even) from the rows' int8 inputs
-enum class Loop { avx2, vnni, amx };
+// (bf16: a fused block's prefill rows on AMX-BF16 tiles, prefill_amx.cpp; its own bits, never a verify pass's)
+enum class Loop { avx2, vnni, amx, bf16 };
 Loop loop_for(int64_t M, int64_t blocks);
 inline bool offset_inputs(int bits, Loop loop) { return bits == 8 && loop == Loop::vnni; }
 void quantize_groups(const at::BFloat16* x, int64_t M, int64_t K, int64_t g0, int64_t g1, bool offset, int8_t* q,
@@ -109,6 +110,16 @@ int64_t set_amx_min_rows(int64_t rows);
 // blocks [b0, b1) (whole pairs: b0 and b1 even) of linear_rows' output on AMX tiles, from signed int8 inputs
 void block_range_amx(int bits, const uint8_t* qbytes, const at::Half* scales, const int8_t* xq, const float* step,
                      const float* qsum, int64_t M, int64_t K, int64_t blocks, uint16_t* y, int64_t b0, int64_t b1);
+// A prefill's linears on AMX-BF16 tiles (prefill_amx.cpp): the fused blocks take them for passes of prefill_min_rows()
+// rows or more (only prompts: m2r2.model.ROW_INVARIANT_MAX_ROWS + 1) where the CPU has AMX-BF16, Linux grants the tile
+// state, and neither M2R2_NO_BF16_PREFILL=1 nor set_bf16_prefill(false) turned them off. Bits of their own (bfloat16
+// inputs and weights, float32 sums), the same for every method's prefill.
+constexpr int64_t PREFILL_MIN_ROWS = 33;
+bool bf16_prefill_in_use();
+bool set_bf16_prefill(bool on);
+// blocks [b0, b1) (whole pairs: b0 and b1 even) of y [M, blocks * 8] from bfloat16 rows x [M, K] on AMX-BF16 tiles
+void block_range_bf16(int bits, const uint8_t* qbytes, const at::Half* scales, const uint16_t* x, int64_t M, int64_t K,
+                      int64_t blocks, uint16_t* y, int64_t b0, int64_t b1);
 // RMSNorm of `rows` rows of D
 void rms_norm_rows(const at::BFloat16* x, const at::BFloat16* w, int64_t rows, int64_t D, float eps, uint16_t* out);
 // rms_norm_rows in parts: a row's scale 1 / sqrt(mean(x^2) + eps), then its normed values c0..c1-1 (c0 a multiple of 8)

@@ -119,6 +119,27 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor qbytes, torch::Tensor scales
   return y;
 }
 
+// y [M, N] = x [M, K] times a packed 4- or 8-bit weight on the prefill's AMX-BF16 tiles (prefill_amx.cpp): the fused
+// blocks' prefill linears as an op, for tests and timings (even block counts; where bf16_prefill_in_use())
+torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor qbytes, torch::Tensor scales, int64_t bits) {
+  TORCH_CHECK(m2r2_avx2::bf16_prefill_in_use(), "the prefill's AMX-BF16 tiles are not in use here");
+  TORCH_CHECK(bits == 4 || bits == 8, "bits: 4 or 8");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x: contiguous bf16 [M, K]");
+  const int64_t M = x.size(0), K = x.size(1), blocks = qbytes.size(0), G = K / 32;
+  TORCH_CHECK(K % 32 == 0 && blocks % 2 == 0 && qbytes.is_contiguous() && qbytes.numel() == blocks * G * (bits == 4 ? 128 : 256),
+              "packed weight does not match x");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.numel() == blocks * G * (bits == 4 ? 2 : 1) * NB,
+              "scales do not match the packed weight");
+  auto y = torch::empty({M, blocks * NB}, x.options());
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  at::parallel_for(0, blocks / 2, 1, [&](int64_t p0, int64_t p1) {
+    m2r2_avx2::block_range_bf16(static_cast<int>(bits), static_cast<const uint8_t*>(qbytes.data_ptr()),
+                                scales.data_ptr<at::Half>(), xp, M, K, blocks, yp, 2 * p0, 2 * p1);
+  });
+  return y;
+}
+
 }  // namespace
 
 namespace m2r2_avx2 {
@@ -191,6 +212,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_amx_rows", &m2r2_avx2::set_amx_rows, "turn the AMX sums on (where the CPU has AMX-INT8) or off");
   m.def("set_amx_min_rows", &m2r2_avx2::set_amx_min_rows,
         "the fewest rows a pass sums on AMX tiles (default 10); returns the previous value");
+  m.def("bf16_linear", &bf16_linear, "4/8-bit weight-only linear layer on the prefill's AMX-BF16 tiles (bf16 inputs)");
+  m.def("bf16_prefill_in_use", &m2r2_avx2::bf16_prefill_in_use,
+        "whether the fused blocks run a prefill's linears on AMX-BF16 tiles (bits of their own, every method's)");
+  m.def("set_bf16_prefill", &m2r2_avx2::set_bf16_prefill,
+        "turn the prefill's AMX-BF16 tiles on (where the CPU has them) or off; returns whether they were in use");
+  m.def("prefill_min_rows", [] { return m2r2_avx2::PREFILL_MIN_ROWS; },
+        "the fewest rows of a fused pass that count as a prefill (m2r2.model.ROW_INVARIANT_MAX_ROWS + 1)");
   m.def("avx512_attention_in_use", &m2r2_avx2::avx512_attention_in_use,
         "whether the row attention runs its AVX-512 build (same bits)");
   m.def("set_avx512_attention", &m2r2_avx2::set_avx512_attention,

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from m2r2 import amx
 from m2r2.decoding.costs import expected_tokens
 from m2r2.errors import InputError
 from m2r2.files import atomic_text
@@ -83,7 +84,8 @@ def align_report(
         tokens, mask = tokens.to(model.device), mask.to(model.device)
         cache = model.new_cache(tokens.shape[1], batch=tokens.shape[0])
         h = [model.embed_tokens(tokens)]
-        model.run_layers(h[0], cache, 0, h)
+        with amx.decoding_bits():
+            model.run_layers(h[0], cache, 0, h)
         states = stream.forward_train(h[0], cache.k, cache.v, block_starts(tokens.shape[1], [block] * tokens.shape[1]))
         top = model.head(h[-1][mask]).argmax(-1)
         sel = [f[mask] for f in states]
@@ -143,7 +145,8 @@ def _drafts_and_picks(model: Transformer, drafter: Any, records: Records) -> lis
     for prompt, answer in records:
         full = prompt + answer
         cache = model.new_cache(len(full) + 8)
-        h = model.run_layers(model.embed_tokens(torch.tensor([full], device=model.device)), cache, 0)
+        with amx.decoding_bits():  # the states decoding's passes give (a prompt's prefill has bits of its own)
+            h = model.run_layers(model.embed_tokens(torch.tensor([full], device=model.device)), cache, 0)
         row = []
         for p in range(len(prompt), len(full)):
             slow = cache.k[:, :, :, p].clone(), cache.v[:, :, :, p].clone()

@@ -33,6 +33,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from m2r2 import amx
 from m2r2.errors import InputError, SettingsError, WeightsError
 from m2r2.loading import file_hash
 from m2r2.machine import cpu_has
@@ -256,7 +257,8 @@ def slow_pass(
         ids[i, : len(s)] = torch.tensor(s)
     cache = model.new_cache(t, batch=b)
     layers: list[Tensor] = []
-    h = model.run_layers(model.embed_tokens(ids), cache, 0, layers if taps else None)
+    with amx.decoding_bits():  # the states decoding gives, not a prefill's (stored sequences are prompt-length passes)
+        h = model.run_layers(model.embed_tokens(ids), cache, 0, layers if taps else None)
     out = []
     for i, s in enumerate(seqs):
         n = len(s)
