@@ -1,7 +1,7 @@
 """The prompt's prefill on AMX-BF16 tiles (`csrc_avx2/prefill_amx.cpp`) against the int8 loops, end to end: what it
 does to time to first token and to `m2r2`'s speedup over `vanilla`, on the paper's four datasets (first turns).
 
-    python experiments/prefill_ab.py [PROMPTS_PER_DATASET] [THREADS]
+    python experiments/prefill_ab.py [PROMPTS_PER_DATASET] [THREADS]    (M2R2_MODEL=qwen2.5-coder-0.5b: another model)
 
 Why a script and not `m2r2 bench`: the prefill's kernel is a process-wide switch (every method must prefill alike
 for their outputs to be identical), while the bench compares methods side by side under one setting. Here each
@@ -14,6 +14,7 @@ cache gets other last bits, and greedy answers part at a near tie), so `m2r2`'s 
 given for each setting too.
 """
 
+import os
 import statistics
 import sys
 import time
@@ -26,7 +27,7 @@ from m2r2.engine import Engine
 
 per_set = int(sys.argv[1]) if len(sys.argv) > 1 else 20
 threads = int(sys.argv[2]) if len(sys.argv) > 2 else 2
-engine = Engine(threads=threads, quiet=True)
+engine = Engine(os.environ.get("M2R2_MODEL") or None, threads=threads, quiet=True)
 ext = amx.avx2_extension()
 if ext is None or not ext.set_bf16_prefill(True):
     sys.exit("the prefill's AMX-BF16 tiles do not run here")
