@@ -278,15 +278,23 @@ void prefetch_cache(const Team& team, const CacheView& c, int64_t pos, int64_t H
     }
 }
 
-// RMSNorm of T rows of x (d wide) with weight nw, then their int8 inputs for `next`, into this thread's own inputs
-void norm_rows(const uint16_t* x, const torch::Tensor& nw, float eps, int64_t T, int64_t d, const Linear& next,
-               Loop loop, const Inputs& in) {
-  for (int64_t t = 0; t < T; ++t) {
+// RMSNorm of T rows of x (d wide) with weight nw, then their int8 inputs for `next`, into this thread's own inputs;
+// returns the normed rows `next` reads. A prefill's (Loop::bf16: many rows, no int8 inputs) go into one buffer
+// instead (`shared`, the first thread's), each thread normalizing its share of the rows, then a barrier: the same
+// values, half the work each on two threads.
+const uint16_t* norm_rows(const Team& team, const uint16_t* x, const torch::Tensor& nw, float eps, int64_t T, int64_t d,
+                          const Linear& next, Loop loop, const Inputs& in, uint16_t* shared) {
+  const auto [t0, t1] = loop == Loop::bf16 ? team.share(T) : std::pair<int64_t, int64_t>{0, T};
+  uint16_t* out = loop == Loop::bf16 ? shared : in.x;
+  for (int64_t t = t0; t < t1; ++t) {
     const at::BFloat16* row = as_bf16(x + t * d);
-    rms_norm_range(row, nw.data_ptr<at::BFloat16>(), rms_scale(row, d, eps), 0, d, in.x + t * d);
+    rms_norm_range(row, nw.data_ptr<at::BFloat16>(), rms_scale(row, d, eps), 0, d, out + t * d);
   }
-  if (loop != Loop::bf16)
+  if (loop == Loop::bf16)
+    team.sync();
+  else
     quantize_groups(as_bf16(in.x), T, d, 0, d / 32, offset_inputs(next.bits, loop), in.q, in.step, in.qsum);
+  return out;
 }
 
 // out[c] = bf16(a[c] + out[c]) over columns of output blocks [b0, b1) of T rows n wide: a residual add, this thread's
@@ -306,11 +314,11 @@ void block_rows(const Team& team, const BlockWeights& w, const Rows& r, const ui
 
   const Inputs& mine = r.mine[team.id];
   prefetch_cache(team, c, pos, H, KVH, T, D);
-  norm_rows(xp, w.attn_norm, eps, T, d, w.qkv, lqkv, mine);
+  const uint16_t* normed = norm_rows(team, xp, w.attn_norm, eps, T, d, w.qkv, lqkv, mine, r.mine[0].x);
   {
     if (c.bf16 && pos + T >= amx_attention_min_keys() && amx_attention_in_use()) wake_amx_attention();
     const auto [b0, b1] = w.qkv.share(team);
-    w.qkv.run_blocks(lqkv, mine.x, mine.q, mine.step, mine.qsum, T, r.y, b0, b1);
+    w.qkv.run_blocks(lqkv, normed, mine.q, mine.step, mine.qsum, T, r.y, b0, b1);
   }
   team.sync();
 
@@ -362,13 +370,13 @@ void block_rows(const Team& team, const BlockWeights& w, const Rows& r, const ui
     if (b0 < b1) add_blocks(xp, r.a, T, d, b0, b1);
   }
   team.sync();
-  norm_rows(r.a, w.mlp_norm, eps, T, d, w.w13, l13, mine);
+  normed = norm_rows(team, r.a, w.mlp_norm, eps, T, d, w.w13, l13, mine, r.mine[0].x);
   {  // gate and up for this thread's groups of 32 intermediate columns (4 blocks of each: whole pairs), SwiGLU's
      // product there and the down projection's int8 inputs for those groups
     const auto [u0, u1] = team.share(inter / 32);
     const int64_t half = inter / 8;  // up's first block
-    w.w13.run_blocks(l13, mine.x, mine.q, mine.step, mine.qsum, T, r.gu, 4 * u0, 4 * u1);
-    w.w13.run_blocks(l13, mine.x, mine.q, mine.step, mine.qsum, T, r.gu, half + 4 * u0, half + 4 * u1);
+    w.w13.run_blocks(l13, normed, mine.q, mine.step, mine.qsum, T, r.gu, 4 * u0, 4 * u1);
+    w.w13.run_blocks(l13, normed, mine.q, mine.step, mine.qsum, T, r.gu, half + 4 * u0, half + 4 * u1);
     for (int64_t t = 0; t < T; ++t) {
       const at::BFloat16* g = as_bf16(r.gu + t * 2 * inter);
       silu_mul_range(g, g + inter, 32 * u0, 32 * u1, r.down.x + t * inter);
