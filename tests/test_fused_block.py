@@ -380,6 +380,7 @@ def test_a_prefill_on_the_bf16_tiles_gives_each_row_the_bits_of_any_split(tiny_m
         out, kp = prefill(piece)
         assert sizes == [35, 35] and torch.equal(out, whole) and torch.equal(kp, k)
     int8, _ = prefill(512, tiles=False)
+    assert ext.prefill_min_rows() == model_mod.ROW_INVARIANT_MAX_ROWS + 1  # the C++ side's "a prefill" is Python's
     assert not torch.equal(int8, whole)
     assert (int8.float() - whole.float()).abs().max() <= 0.05 * whole.float().abs().max()
 

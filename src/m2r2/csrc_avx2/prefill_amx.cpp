@@ -9,13 +9,17 @@
 // step, and its prefill was 8-19% of `vanilla`'s time on the paper's datasets (short answers weigh it most). Here a
 // pair of blocks' weights (16 columns) is widened once per pass to bfloat16 (w = d q + m in float32, rounded to
 // nearest even: the 4-bit values and their fp16 terms fit float32 exactly), and each tile of 16 rows then sums all K
-// inputs on the tiles with no per-group work: one TDPBF16PS per 16 rows, 16 columns and 32 inputs.
+// inputs on the tiles with no per-group work: one TDPBF16PS per 16 rows, 16 columns and 32 inputs (2 threads: a
+// 71-token prompt 29 -> 22 ms, a 300-token one 131 -> 85 ms; experiments/prefill_sizes.py, BENCHMARKS.md "Forty-fifth
+// round").
 //
 // The bits differ from the int8 loops' (inputs in bfloat16, not int8 per group; weights rounded to bfloat16), as a
 // prefill's attention already did (it attends only the filled slots). Every method prefills the same way, so
 // outputs stay identical across methods; each row's sums depend on its own inputs only (a tile's rows are
-// independent), so a row gets the same bits whatever the prompt's length or split. M2R2_NO_BF16_PREFILL=1 or
-// set_bf16_prefill(false) keeps the int8 loops.
+// independent), so a row gets the same bits whatever the prompt's length or split. The attention keeps its path: on
+// the AMX attention a prompt's bits would depend on its cache's dtype (the server's pooled caches are float32, which
+// that path does not take; tried, BENCHMARKS.md). M2R2_NO_BF16_PREFILL=1 or set_bf16_prefill(false) keeps the int8
+// loops.
 #include <immintrin.h>
 #include <torch/extension.h>
 

@@ -287,10 +287,7 @@ void run_units(const float* qp, const KT* kp, const KT* vp, const bool* mp, floa
   thread_local std::vector<char> tiled;
   tiled.clear();
   if constexpr (std::is_same_v<KT, at::BFloat16>) {
-    // a prefill's rows (passes this long come only from prompts, on the fused blocks) have bits of their own: all of
-    // them on the tiles, whatever their keys (a row's bits still its own, so the same under any split of the prompt)
-    const bool prefill = T >= PREFILL_MIN_ROWS && bf16_prefill_in_use();
-    const int64_t least = prefill ? 1 : amx_attention_min_keys();
+    const int64_t least = amx_attention_min_keys();
     if (bf16 && S >= least && amx_attention_in_use() && amx_attention_fits(D)) {
       tiled.assign(u1 - u0, 0);
       int64_t counted = -1, count = 0;  // the last row counted (a flat index b * T + t) and its keys
