@@ -86,8 +86,9 @@ def decoding_bits() -> Iterator[None]:
     """Within: passes of any length get a decoding step's bits, as before a prompt's prefill took AMX-BF16 tiles
     (``csrc_avx2/prefill_amx.cpp``, bits of their own). Why: what trains or measures the fast stream over whole
     sequences in one pass (the training store, ``eval-align``) must see the states decoding steps and verify passes
-    give, which seed the stream at inference."""
-    ext = avx2_extension()
+    give, which seed the stream at inference. Only a build already loaded is switched: without one no pass runs the
+    fused blocks, and none is built for this."""
+    ext = avx2_extension() if avx2_extension.cache_info().currsize else None
     was = ext.set_bf16_prefill(False) if ext is not None and hasattr(ext, "set_bf16_prefill") else None
     try:
         yield
