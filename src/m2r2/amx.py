@@ -89,7 +89,7 @@ def decoding_bits() -> Iterator[None]:
     give, which seed the stream at inference. Only a build already loaded is switched: without one no pass runs the
     fused blocks, and none is built for this."""
     ext = avx2_extension() if avx2_extension.cache_info().currsize else None
-    was = ext.set_bf16_prefill(False) if ext is not None and hasattr(ext, "set_bf16_prefill") else None
+    was = ext.set_bf16_prefill(False) if ext is not None else None
     try:
         yield
     finally:

@@ -764,7 +764,8 @@ class Transformer(Tracked):
         if prefill and t > PREFILL_MAX_ROWS:
             # a long prompt piece by piece (each on the fused blocks where they run), in pieces of equal size: none
             # as short as a verify pass, so every row of a prompt takes a prefill's kernels (their own bits)
-            size = -(-t // -(-t // PREFILL_MAX_ROWS))
+            pieces = -(-t // PREFILL_MAX_ROWS)
+            size = -(-t // pieces)
             outs, layers = [], [] if hidden is not None else None
             for s0 in range(0, t, size):
                 piece: list[Tensor] | None = [] if hidden is not None else None

@@ -36,16 +36,17 @@
 #define M2R2_AMX_BF16_BUILD 0
 #endif
 
+#if M2R2_AMX_BF16_BUILD
+#pragma GCC push_options  // the wider instruction set for the tile code only, not for what an AVX2 CPU runs at load
+#pragma GCC target("avx512f,avx512vl,avx512bw,avx512vnni,avx512bf16,amx-tile,amx-bf16")
+#define M2R2_VNNI 1
+#include "q4_rows.h"  // the packed layout's helpers: NB, pair_bytes, pair_terms16, store16_bf16
+#endif
+
 namespace {
 
 #if M2R2_AMX_BF16_BUILD
-#pragma GCC push_options  // the wider instruction set for the tile code only, not for what an AVX2 CPU runs at load
-#pragma GCC target("avx512f,avx512vl,avx512bw,avx512bf16,amx-tile,amx-bf16")
-
-using m2r2_avx2::TileConfig;
-
-constexpr int64_t NB = 8;  // columns per block (q4_rows.h)
-constexpr int MR = 16;     // rows per tile
+constexpr int MR = 16;  // rows per tile
 
 // tiles 0-3: C, 16 rows x 16 float32 sums each; 4, 5: A, 16 rows x 32 bfloat16 inputs; 6, 7: B, 16 rows x 64
 // bytes, 32 inputs x 16 columns in pairs (row k: each column's weights of inputs 2k, 2k+1)
@@ -67,37 +68,26 @@ inline __m512i pair_order() {
                           18, 2, 17, 1, 16, 0);
 }
 
-// 16 float16 terms: 8 at s + a (the pair's first block), 8 at s + b (its second)
-inline __m512 halves(const at::Half* s, int64_t a, int64_t b) {
-  const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + a)));
-  const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + b)));
-  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
-}
-
 // A pair of blocks' weights (q4_rows.h: group g of the second block after the first's) as bfloat16 B tiles, one of
 // 16 x 64 bytes per group of 32 inputs, into panel (G * 512 halves)
 template <int BITS>
 void widen_pair(const uint8_t* qb, const at::Half* sb, int64_t G, uint16_t* panel) {
   constexpr int64_t gbytes = BITS == 4 ? 128 : 256, terms = BITS == 4 ? 2 : 1;
   const __m512i order = pair_order(), low4 = _mm512_set1_epi32(0x0F);
-  const auto both = [](const uint8_t* qg, int64_t o) {  // 32 bytes of each block at offset o, side by side
-    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + o))),
-                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + gbytes + o)), 1);
-  };
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* qg = qb + g * 2 * gbytes;
     const at::Half* s = sb + g * 2 * terms * NB;
     uint16_t* tile = panel + g * 512;
-    const __m512 d = halves(s, 0, terms * NB);
+    const __m512 d = pair_terms16(s, 0, terms * NB);
     if constexpr (BITS == 4) {
       // 32-bit lane n (column n) of chunk h, byte j: low nibble input 8h + j, high nibble input 8h + 4 + j; B row
       // 4h + k holds inputs 8h + 2k, 8h + 2k + 1: nibbles at bits 8 * 2k, 8 * (2k + 1) (k < 2), plus 4 after
-      const __m512 mn = halves(s, NB, 3 * NB);
+      const __m512 mn = pair_terms16(s, NB, 3 * NB);
       const auto weight = [&](__m512i bytes, int shift) {
         return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(bytes, shift), low4)), d, mn);
       };
       for (int h = 0; h < 4; ++h) {
-        const __m512i bytes = both(qg, 32 * h);
+        const __m512i bytes = pair_bytes(qg, gbytes, 32 * h);
         for (int k = 0; k < 4; ++k) {
           const int shift = 16 * (k % 2) + 4 * (k / 2);
           store_pair_row(weight(bytes, shift), weight(bytes, shift + 8), order, tile + (4 * h + k) * 32);
@@ -109,18 +99,12 @@ void widen_pair(const uint8_t* qb, const at::Half* sb, int64_t G, uint16_t* pane
         return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(bytes, 24 - 8 * i), 24)), d);
       };
       for (int j = 0; j < 8; ++j) {
-        const __m512i bytes = both(qg, 32 * j);
+        const __m512i bytes = pair_bytes(qg, gbytes, 32 * j);
         store_pair_row(weight(bytes, 0), weight(bytes, 1), order, tile + (2 * j) * 32);
         store_pair_row(weight(bytes, 2), weight(bytes, 3), order, tile + (2 * j + 1) * 32);
       }
     }
   }
-}
-
-// float32 sums of 16 columns -> bfloat16 bits (round to nearest even, as every other loop stores them)
-inline void store16(uint16_t* y, const float* c) {
-  m2r2_avx2::store8_bf16(y, _mm256_loadu_ps(c));
-  m2r2_avx2::store8_bf16(y + NB, _mm256_loadu_ps(c + NB));
 }
 
 // Two tiles of rows (a0, a1: 16 rows each, astride bytes apart) times two pairs' B tiles (p0, p1: G tiles each) into
@@ -153,7 +137,7 @@ inline void store_tile(int t, float* c, uint16_t* y, int64_t N, int64_t r0, int6
     case 2: _tile_stored(2, c, 64); break;
     default: _tile_stored(3, c, 64); break;
   }
-  for (int64_t r = 0; r < rows; ++r) store16(y + (r0 + r) * N + col, c + r * 16);
+  for (int64_t r = 0; r < rows; ++r) store16_bf16(y + (r0 + r) * N + col, _mm512_load_ps(c + r * 16));
 }
 
 // Pairs of blocks widened at a time: up to ~256 KB of B tiles, which stay in L2 while every 32 rows pass over them

@@ -69,19 +69,15 @@ template <int BITS>
 inline void stage_group(const uint8_t* qg, int8_t* b) {
   constexpr int64_t gbytes = BITS == 4 ? 128 : 256;
   for (int64_t line = 0; line < 2 * gbytes; line += 64) prefetch(qg + line);
-  const auto both = [qg](int64_t o) {
-    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + o))),
-                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + gbytes + o)), 1);
-  };
   if constexpr (BITS == 4) {
     const __m512i low4 = _mm512_set1_epi8(0x0F);
     for (int h = 0; h < 4; ++h) {
-      const __m512i bytes = both(32 * h);
+      const __m512i bytes = pair_bytes(qg, gbytes, 32 * h);
       _mm512_store_si512(b + 128 * h, _mm512_and_si512(bytes, low4));
       _mm512_store_si512(b + 128 * h + 64, _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4));
     }
   } else {
-    for (int j = 0; j < 8; ++j) _mm512_store_si512(b + 64 * j, both(32 * j));
+    for (int j = 0; j < 8; ++j) _mm512_store_si512(b + 64 * j, pair_bytes(qg, gbytes, 32 * j));
   }
 }
 

@@ -150,6 +150,20 @@ inline void store16_bf16(uint16_t* y, __m512 v) {
   store8_bf16(y + NB, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
 }
 
+// A pair of blocks' 16 columns in one register (see the top): 32 bytes of each block at offset o of group qg (a block's
+// group is gbytes long), side by side
+inline __m512i pair_bytes(const uint8_t* qg, int64_t gbytes, int64_t o) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + o))),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + gbytes + o)), 1);
+}
+
+// ... and its 16 float16 terms as float32: the first block's 8 at s + a, the second's at s + b
+inline __m512 pair_terms16(const at::Half* s, int64_t a, int64_t b) {
+  const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + a)));
+  const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + b)));
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
+}
+
 // Group g's float terms for R rows of a pair of blocks (16 columns; the first block's 8 steps, then, 4-bit, its 8
 // minima at s, the second block's after them): out[r] += sum(r) * (d * step) and, 4-bit, + m * qsum, lane by lane
 // as block_rows does for 8 columns. One helper for pair_rows and the AMX tiles' loop (q4_amx_rows.cpp), whose
@@ -158,18 +172,13 @@ template <int BITS, int R, typename Sum>
 inline void pair_terms(__m512 (&out)[R], const Sum& sum, const at::Half* s, const float* step, const float* qsum,
                        int64_t G, int64_t g) {
   constexpr int64_t terms = BITS == 4 ? 2 : 1;
-  const auto halves = [s](int64_t a, int64_t b) {  // 8 float16 terms at s + a, then 8 at s + b
-    const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + a)));
-    const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + b)));
-    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
-  };
-  const __m512 d = halves(0, terms * NB);
+  const __m512 d = pair_terms16(s, 0, terms * NB);
   for (int r = 0; r < R; ++r) {
     const __m512 scaled = _mm512_mul_ps(d, _mm512_set1_ps(step[r * G + g]));
     out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum(r)), scaled, out[r]);
   }
   if constexpr (BITS == 4) {
-    const __m512 mn = halves(NB, 3 * NB);
+    const __m512 mn = pair_terms16(s, NB, 3 * NB);
     for (int r = 0; r < R; ++r) out[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(qsum[r * G + g]), out[r]);
   }
 }
@@ -183,11 +192,6 @@ inline void pair_rows(const uint8_t* qb, const at::Half* sb, const int8_t* xq, c
   constexpr int64_t gbytes = BITS == 4 ? 128 : 256, terms = BITS == 4 ? 2 : 1;
   __m512 out[R];
   for (int r = 0; r < R; ++r) out[r] = _mm512_setzero_ps();
-  // 32 bytes of each block at offset o of a group, side by side
-  const auto both = [](const uint8_t* qg, int64_t o) {
-    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + o))),
-                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + gbytes + o)), 1);
-  };
   // 4 int8 inputs broadcast to every 32-bit lane
   const auto inputs = [](const int8_t* x) {
     int32_t v;
@@ -203,7 +207,7 @@ inline void pair_rows(const uint8_t* qb, const at::Half* sb, const int8_t* xq, c
       const __m512i low4 = _mm512_set1_epi8(0x0F);
 #pragma GCC unroll 1
       for (int h = 0; h < 4; ++h) {
-        const __m512i bytes = both(qg, 32 * h);
+        const __m512i bytes = pair_bytes(qg, gbytes, 32 * h);
         const __m512i lo = _mm512_and_si512(bytes, low4);
         const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4);
         for (int r = 0; r < R; ++r) {
@@ -218,7 +222,7 @@ inline void pair_rows(const uint8_t* qb, const at::Half* sb, const int8_t* xq, c
       __m512i wsum = _mm512_setzero_si512();
 #pragma GCC unroll 1
       for (int j = 0; j < 8; ++j) {
-        const __m512i w = both(qg, 32 * j);
+        const __m512i w = pair_bytes(qg, gbytes, 32 * j);
         wsum = _mm512_dpbusd_epi32(wsum, ones, w);
         for (int r = 0; r < R; ++r) sums[r] = _mm512_dpbusd_epi32(sums[r], inputs(xq + r * K + g * 32 + 4 * j), w);
       }
