@@ -12,6 +12,14 @@
 #include <cstdlib>
 #include <memory>
 
+// Whether this compiler has the AMX intrinsics (GCC 11, Clang 12): the AMX files (q4_amx_rows.cpp, attend_amx.cpp,
+// prefill_amx.cpp) build their tile code only then; an older compiler builds the rest of the extension without it
+#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
+#define M2R2_AMX_COMPILER 1
+#else
+#define M2R2_AMX_COMPILER 0
+#endif
+
 namespace m2r2_avx2 {
 
 // Whether the CPU has AMX tiles and the AMX feature at CPUID leaf 7 EDX bit `bit` (25: INT8, 22: BF16), and Linux

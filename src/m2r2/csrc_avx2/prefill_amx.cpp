@@ -30,11 +30,7 @@
 #include "kernels2.h"
 #include "simd2.h"
 
-#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
-#define M2R2_AMX_BF16_BUILD 1
-#else
-#define M2R2_AMX_BF16_BUILD 0
-#endif
+#define M2R2_AMX_BF16_BUILD M2R2_AMX_COMPILER  // kernels2.h: an older compiler builds the rest without the tiles
 
 #if M2R2_AMX_BF16_BUILD
 #pragma GCC push_options  // the wider instruction set for the tile code only, not for what an AVX2 CPU runs at load

@@ -33,12 +33,7 @@
 #include "kernels2.h"
 #include "simd2.h"
 
-// The AMX intrinsics need GCC 11 or Clang 12; an older compiler builds the rest of the extension, without the tiles.
-#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
-#define M2R2_AMX_BUILD 1
-#else
-#define M2R2_AMX_BUILD 0
-#endif
+#define M2R2_AMX_BUILD M2R2_AMX_COMPILER  // kernels2.h: an older compiler builds the rest without the tiles
 
 #if M2R2_AMX_BUILD
 #pragma GCC target("avx512f,avx512vl,avx512bw,avx512vnni,amx-tile,amx-int8")
