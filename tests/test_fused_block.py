@@ -444,3 +444,100 @@ def test_a_drafter_that_grows_whole_trees_is_timed_by_whole_trees(tiny_model, mo
     grown.clear()
     level_by_level = measure_tree_costs(model, SeededDrafter(fast), 4, repeats=2)
     assert not grown and len(level_by_level.draft) == 4 and min(level_by_level.draft) > 0
+
+
+def greedy_passes(model, fused: bool, monkeypatch) -> tuple[list[tuple[list[int], torch.Tensor]], torch.Tensor]:
+    """Each row's greedy token and the final states of passes of 1..6 rows and a token tree after a 40-token
+    prefill, by :func:`m2r2.decoding.tree.greedy_verify` with the one-call greedy pass on or off, and the cache."""
+    from m2r2.decoding.tree import greedy_verify
+
+    g = torch.Generator().manual_seed(2)
+    vocab, ctx = model.cfg.vocab_size, 40
+    monkeypatch.setattr(model_mod, "GREEDY_PASS", fused)
+    with torch.inference_mode():
+        cache = model.new_cache(ctx + 16)
+        model(torch.randint(0, vocab, (1, ctx), generator=g), cache, 0, last_only=True)
+        out = []
+        for t in range(1, 7):
+            cache.length = ctx
+            tokens, h = greedy_verify(model, torch.randint(0, vocab, (t,), generator=g).tolist(), cache, ctx)
+            out.append((list(tokens) if isinstance(tokens, list) else tokens.tolist(), h))
+            assert cache.length == ctx + t
+        vis = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+        mask = torch.cat([torch.ones(4, ctx, dtype=torch.bool), vis], dim=1)
+        positions = torch.tensor([ctx, ctx + 1, ctx + 1, ctx + 2])
+        rows = torch.randint(0, vocab, (4,), generator=g).tolist()
+        tokens, h = greedy_verify(model, rows, cache, ctx, positions, mask)
+        out.append((list(tokens) if isinstance(tokens, list) else tokens.tolist(), h))
+    return out, cache.k.clone()
+
+
+@needs_avx2
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_greedy_pass_in_one_call_gives_the_op_by_op_tokens_and_states(
+    tiny_model, monkeypatch, arch: str, threads: int
+) -> None:
+    """``greedy_pass`` (embeddings, blocks, norm, LM head and argmax in one C++ call) gives every row the token and
+    final state of the layers and the certified head argmax run op by op, and the same cache, for decode-style
+    passes and a tree; and it is the path a greedy pass takes where it applies."""
+    d = tiny_model(arch=arch, hidden_size=64, intermediate_size=128, vocab_size=320, layers=3)
+    model = load_model(d, torch.bfloat16, kernel="q4-avx2").model
+    assert model.greedy_parts() is not None
+    ext = amx.avx2_extension()
+    calls, original = [], ext.greedy_pass
+    monkeypatch.setattr(ext, "greedy_pass", lambda *a: (calls.append(1), original(*a))[1])
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        fused, k_fused = greedy_passes(model, True, monkeypatch)
+        assert len(calls) == 7
+        plain, k_plain = greedy_passes(model, False, monkeypatch)
+        assert len(calls) == 7
+    finally:
+        torch.set_num_threads(before)
+    for i, ((ta, ha), (tb, hb)) in enumerate(zip(fused, plain, strict=True)):
+        assert ta == tb, f"pass {i}"
+        assert torch.equal(ha, hb), f"pass {i}"
+    assert torch.equal(k_fused, k_plain)
+
+
+@needs_avx2
+def test_a_greedy_pass_steps_aside_where_it_does_not_apply(tiny_model) -> None:
+    """None (the caller runs the layers and the head) for more rows than a verify pass, with gradients on, and
+    for a head that is not the AVX2 build's 4/8-bit one."""
+    d = tiny_model(hidden_size=64, intermediate_size=128, vocab_size=320, layers=3)
+    model = load_model(d, torch.bfloat16, kernel="q4-avx2").model
+    cache = model.new_cache(64)
+    with torch.inference_mode():
+        assert model.greedy_pass([1] * (model_mod.ROW_INVARIANT_MAX_ROWS + 1), cache, 0) is None
+        assert model.greedy_pass([1, 2], cache, 0) is not None
+    with torch.enable_grad():
+        assert model.greedy_pass([1], cache, 2) is None
+    model.lm_head = torch.nn.Linear(64, 320, bias=False).to(torch.bfloat16)
+    with torch.inference_mode():
+        assert model.greedy_parts() is None
+        assert model.greedy_pass([1], cache, 2) is None
+
+
+@needs_avx2
+def test_greedy_answers_are_the_same_with_the_one_call_pass(tiny_model, monkeypatch) -> None:
+    """Trees verified in one-call passes answer token for token as plain decoding op by op, and so does plain
+    decoding in one-call steps."""
+    import random
+
+    from m2r2.decoding.autoregressive import Autoregressive
+    from m2r2.decoding.tree import TreeSpeculative
+
+    model, fast = avx2_stream(tiny_model, noise=0.05, head_bits=4, token_taps=())
+    assert model.greedy_parts() is not None
+    strat = TreeSpeculative("m2r2", model, fast, [], None, 8, 4, 2, 2, lookup=6)
+    rng = random.Random(3)
+    for _ in range(3):
+        prompt = [rng.randrange(320) for _ in range(rng.randint(2, 30))]
+        gen = GenerationConfig(max_new_tokens=rng.randint(10, 50))
+        monkeypatch.setattr(model_mod, "GREEDY_PASS", False)
+        plain = Autoregressive(model, []).generate(prompt, gen).tokens
+        monkeypatch.setattr(model_mod, "GREEDY_PASS", True)
+        assert Autoregressive(model, []).generate(prompt, gen).tokens == plain
+        assert strat.generate(prompt, gen).tokens == plain

@@ -495,6 +495,10 @@ class MoE(Tracked):
 #: ``M2R2_NO_FUSED=1`` for the per-op path: the same bits, ~2x the Python and torch overhead per step).
 FUSED_BLOCKS = os.environ.get("M2R2_NO_FUSED") != "1"
 
+#: Whether a greedy step or verify pass runs its embeddings, blocks, norm, head and argmax as one C++ call where
+#: :meth:`Transformer.greedy_parts` applies (set ``M2R2_NO_GREEDY_PASS=1`` for the op-by-op path: the same tokens).
+GREEDY_PASS = FUSED_BLOCKS and os.environ.get("M2R2_NO_GREEDY_PASS") != "1"
+
 
 #: the most rows a prefill runs on the fused C++ blocks at once (longer prompts go through them in pieces): each piece
 #: streams every weight once, and its element-wise steps and attention run its rows on every thread. A row's numbers
@@ -826,6 +830,82 @@ class Transformer(Tracked):
         if stop is None or stop >= len(self.layers):
             cache.length = pos + t
         return x
+
+    def greedy_parts(self) -> tuple[object, object] | None:
+        """The fused stack and the LM head's weights for :meth:`greedy_pass` (``csrc_avx2`` ``greedy_pass``), or None
+        where a pass cannot run there: the stack missing, a head other than the AVX2 build's 4/8-bit one, a bias, or
+        norm or embedding weights not in bfloat16. Kept, keyed by the head module and its packed weights."""
+        stack = self.fused_stack()
+        head, norm = self.lm_head, self.norm.weight
+        qbytes = getattr(head, "qbytes", None)
+        key = (id(stack), id(head), id(qbytes), id(norm), id(self.embed.weight))
+        kept = self.__dict__.get("_greedy")
+        if kept is not None and kept[0] == key:
+            return kept[1]
+        parts = None
+        ext = amx.avx2_extension()
+        if (
+            stack is not None
+            and hasattr(ext, "greedy_pass")
+            and getattr(head, "op", None) in AVX2_OPS
+            and getattr(head, "products", None) == "avx2"
+            and head.bias is None
+            and norm.dtype == torch.bfloat16
+            and self.embed.weight.dtype == torch.bfloat16
+        ):
+            none = torch.empty(0)
+            lm = ext.make_linear(qbytes, head.scales, AVX2_OPS[head.op], none, head.in_features, head.out_features)  # type: ignore[union-attr]
+            parts = (stack, lm)
+        self.__dict__["_greedy"] = (key, parts)
+        return parts
+
+    def greedy_pass(
+        self, tokens: list[int], cache: KVCache, pos: int, positions: Tensor | None = None, mask: Tensor | None = None
+    ) -> tuple[list[int], Tensor] | None:
+        """Each row's greedy token and the rows' final states ``[1, T, d]`` for ``tokens`` written at cache slots
+        ``pos..`` (``positions`` and ``mask`` as :meth:`run_layers` takes them), in one C++ call; None where the
+        fused path does not apply (the caller then runs :meth:`run_layers` and the head).
+
+        The same tokens and states as ``argmax_rows(self.head(self.run_layers(...)))`` (tested): the same kernels in
+        the same order. Why one call: after a pass has streamed the weights through the caches, each op that follows
+        runs cold (``experiments/cold_ops.py``); a step paid five of them around its kernels."""
+        t = len(tokens)
+        if not GREEDY_PASS or t > ROW_INVARIANT_MAX_ROWS or cache.k.shape[1] != 1 or pos + t > cache.max_len:
+            return None
+        if torch.is_grad_enabled():
+            return None
+        parts = self.greedy_parts()
+        if parts is None:
+            return None
+        kv_len = cache.max_len
+        if positions is None:
+            cos, sin = self.rope(pos, t, torch.bfloat16)
+            mask = self.causal_mask(pos, t, kv_len)
+        else:
+            if mask is None:
+                raise ValueError("explicit positions need an explicit mask")
+            if row_kernel(torch.bfloat16, self.device) is None:
+                return None
+            cos, sin = self.rope_cos[positions].to(torch.bfloat16), self.rope_sin[positions].to(torch.bfloat16)
+            if mask.shape[-1] < kv_len:  # padded to the cache capacity, as run_layers pads it
+                mask = torch.cat([mask, mask.new_zeros(t, kv_len - mask.shape[-1])], dim=-1)
+        stack, head = parts
+        ids, h = amx.avx2_extension().greedy_pass(  # type: ignore[union-attr]
+            stack,
+            head,
+            self.norm.weight,
+            self.norm.eps,
+            self.embed.weight,
+            tokens,
+            cache.k,
+            cache.v,
+            pos,
+            mask.contiguous(),
+            cos.contiguous(),
+            sin.contiguous(),
+        )
+        cache.length = pos + t
+        return ids, h[None]
 
     def _stack_for(
         self, x: Tensor, cache: KVCache, pos: int, mask: Tensor | GappedMask, max_rows: int = ROW_INVARIANT_MAX_ROWS

@@ -497,6 +497,43 @@ std::vector<torch::Tensor> stack_forward(const BlockStack& stack, torch::Tensor 
   return all;
 }
 
+// A greedy pass in one call: the rows' embeddings (`tokens`, rows of `embed` [vocab, d] bfloat16), every block of
+// the stack (stack_forward's work), the final RMSNorm (`norm_w`), the LM head (`head`) and each row's argmax: what
+// Transformer.run_layers, head and argmax_rows do one op at a time, with the same kernels in the same order, so the
+// same tokens and states (tested). Why: a pass streams ~80 MB of weights through the cores' caches, and every Python
+// or torch op after it runs cold: an embedding of 3 rows took ~55 us after the layers against ~5 us warm, the norm
+// ~30-50, the argmax ~55 (experiments/cold_ops.py). A `vanilla` step or a verify pass paid five such ops around its
+// kernels. mask, cos, sin and the cache as stack_forward takes them. Returns each row's token and the rows' final
+// states [T, d] (before the norm: what the drafters seed from).
+std::tuple<std::vector<int64_t>, torch::Tensor> greedy_pass(const BlockStack& stack, const Linear& head,
+                                                            torch::Tensor norm_w, double eps, torch::Tensor embed,
+                                                            const std::vector<int64_t>& tokens, torch::Tensor k_all,
+                                                            torch::Tensor v_all, int64_t pos, torch::Tensor mask,
+                                                            torch::Tensor cos, torch::Tensor sin) {
+  const int64_t T = static_cast<int64_t>(tokens.size()), d = stack.blocks[0].attn_norm.numel(), V = head.out;
+  TORCH_CHECK(T >= 1, "a pass needs at least one row");
+  TORCH_CHECK(embed.dim() == 2 && embed.size(1) == d && embed.scalar_type() == at::kBFloat16 && embed.is_contiguous(),
+              "embed: contiguous bfloat16 [vocab, d]");
+  TORCH_CHECK(norm_w.scalar_type() == at::kBFloat16 && norm_w.is_contiguous() && norm_w.numel() == d,
+              "norm weight: contiguous bfloat16 [d]");
+  TORCH_CHECK(head.in == d && !head.bias.defined(), "head: d -> V, no bias");
+  auto x = torch::empty({T, d}, embed.options());
+  const auto* ep = reinterpret_cast<const uint16_t*>(embed.data_ptr<at::BFloat16>());
+  auto* xp = reinterpret_cast<uint16_t*>(x.data_ptr<at::BFloat16>());
+  for (int64_t i = 0; i < T; ++i) {
+    TORCH_CHECK(tokens[i] >= 0 && tokens[i] < embed.size(0), "token id out of the vocabulary");
+    std::memcpy(xp + i * d, ep + tokens[i] * d, d * 2);
+  }
+  torch::Tensor h = stack_forward(stack, x, k_all, v_all, pos, mask, cos, sin,
+                                  static_cast<int64_t>(stack.blocks.size()), false)[0];
+  std::vector<uint16_t> hn(T * d), logits(T * V);
+  rms_norm_rows(h.data_ptr<at::BFloat16>(), norm_w.data_ptr<at::BFloat16>(), T, d, static_cast<float>(eps), hn.data());
+  head.run(hn.data(), T, logits.data());
+  std::vector<int64_t> out(T);
+  for (int64_t i = 0; i < T; ++i) out[i] = argmax_bf16(logits.data() + i * V, V);
+  return {out, h};
+}
+
 // What one draft level reads besides its rows: the fast block, the fuse ([h | e | token taps] -> d), the draft head
 // (the final RMSNorm's weight, the draft-vocabulary rows of the LM head), the embedding and RoPE tables, the fast
 // layer's cache; for a stream with token taps, the base's first blocks (`pre`, blocks 0..pre.size()-1), which of
@@ -749,6 +786,7 @@ void bind_block(pybind11::module& m) {
   pybind11::class_<BlockStack>(m, "BlockStack", pybind11::module_local());
   m.def("make_stack", &make_stack, "a model's blocks for stack_forward");
   m.def("stack_forward", &stack_forward, "blocks 0..stop-1 over a few rows, block_forward's bits, in one call");
+  m.def("greedy_pass", &greedy_pass, "embeddings, every block, the norm, the LM head and each row's argmax, in one call");
   pybind11::class_<Linear>(m, "PackedLinearWeights", pybind11::module_local());
   m.def("make_linear", &make_linear, "a packed linear layer's weights for draft_level");
   m.def("draft_level", &draft_level, "one greedy draft level of a one-layer seeded fast stream (token taps: the base's first blocks too)");

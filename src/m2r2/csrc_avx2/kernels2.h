@@ -130,6 +130,8 @@ void block_range_bf16(int bits, const uint8_t* qbytes, const at::Half* scales, c
                       int64_t blocks, uint16_t* y, int64_t b0, int64_t b1);
 // RMSNorm of `rows` rows of D
 void rms_norm_rows(const at::BFloat16* x, const at::BFloat16* w, int64_t rows, int64_t D, float eps, uint16_t* out);
+// the index of a bfloat16 row's maximum, as argmax_rows (and torch.argmax) picks it: the first of equal maxima, a NaN first
+int64_t argmax_bf16(const uint16_t* row, int64_t V);
 // rms_norm_rows in parts: a row's scale 1 / sqrt(mean(x^2) + eps), then its normed values c0..c1-1 (c0 a multiple of 8)
 float rms_scale(const at::BFloat16* row, int64_t D, float eps);
 void rms_norm_range(const at::BFloat16* row, const at::BFloat16* w, float scale, int64_t c0, int64_t c1, uint16_t* out);

@@ -69,6 +69,8 @@ void rms_norm_range(const at::BFloat16* row, const at::BFloat16* wp, float scale
   }
 }
 
+int64_t argmax_bf16(const uint16_t* row, int64_t V) { return argmax_row(reinterpret_cast<const at::BFloat16*>(row), V); }
+
 // RMSNorm of `rows` bfloat16 rows of D (csrc/rms_norm.cpp's order), raw pointers: shared by the op below
 // and the fused decoder block (block_avx2.cpp).
 void rms_norm_rows(const at::BFloat16* xp, const at::BFloat16* wp, int64_t rows, int64_t D, float e, uint16_t* op) {

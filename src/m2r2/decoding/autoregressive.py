@@ -44,15 +44,20 @@ class Autoregressive:
     ) -> GenerationResult:
         t0, stopper, cache, logits = begin(self.model, prompt, gen, self.eos_ids, self.decode, session=session)
         sampler = Sampler(gen, self.model.device)
-        steps = 1
+        steps, nxt = 1, None
         while True:
-            tok = sampler(logits[0, -1])
+            tok = sampler(logits[0, -1]) if nxt is None else nxt
             stopper.emit([tok], stream)
             if stopper.done:
                 break
-            # greedy: the argmax reads the head's own output (the same token, no float32 copy of it)
-            logits = self.model(torch.tensor([[tok]], device=self.model.device), cache, float_logits=not gen.greedy)
             steps += 1
+            # greedy: the whole step and its argmax in one C++ call where the kernel has it (the same token)
+            fused = self.model.greedy_pass([tok], cache, cache.length) if gen.greedy else None
+            if fused is not None:
+                nxt = fused[0][0]
+                continue
+            # else the argmax reads the head's own output (the same token, no float32 copy of it)
+            logits = self.model(torch.tensor([[tok]], device=self.model.device), cache, float_logits=not gen.greedy)
         return stopper.result(
             t0,
             prompt,

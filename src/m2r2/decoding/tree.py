@@ -854,16 +854,19 @@ class TreeSpeculative:
             rows = self.choose(tree, room, state.calib, steps, costs) if gen.greedy else self._chain(tree, room)
         n_rows = len(rows)
         verify_started = time.perf_counter()
-        ids = torch.tensor([[tree.tokens[r] for r in rows]], device=model.device)
+        tokens = [tree.tokens[r] for r in rows]
         layers: list[Tensor] | None = [] if self.taps else None
-        if n_rows == 1 or _is_chain(tree, rows):
-            h = model.run_layers(model.embed_tokens(ids), cache, verified, layers)
-        else:
+        positions = mask = None
+        if n_rows > 1 and not _is_chain(tree, rows):
             positions = torch.tensor([verified + tree.depths[r] for r in rows], device=model.device)
             vis = tree.ancestors(rows)
             mask = torch.cat([torch.ones(n_rows, verified, dtype=torch.bool), vis], dim=1).to(model.device)
-            h = model.run_layers(model.embed_tokens(ids), cache, verified, layers, positions=positions, mask=mask)
-        out = head_argmax(model, h)[0] if gen.greedy else model.head(h)[0]
+        if gen.greedy and layers is None:
+            out, h = greedy_verify(model, tokens, cache, verified, positions, mask)
+        else:
+            x = model.embed_tokens(torch.tensor([tokens], device=model.device))
+            h = model.run_layers(x, cache, verified, layers, positions=positions, mask=mask)
+            out = head_argmax(model, h)[0] if gen.greedy else model.head(h)[0]
         if self.online_costs and self.costs is not None and gen.greedy:  # as measured: a greedy pass
             measured = self.costs.verify[min(n_rows, len(self.costs.verify)) - 1]
             state.verify_fit.add(n_rows, time.perf_counter() - verify_started, measured)
@@ -987,10 +990,12 @@ class TreeSpeculative:
             return self.ledger.pays(kind)
         return self._worth_drafting(state)
 
-    def _count_exits(self, state: TreeState, tree: Tree, rows: list[int], path: list[int], out: Tensor) -> None:
+    def _count_exits(
+        self, state: TreeState, tree: Tree, rows: list[int], path: list[int], out: Tensor | list[int]
+    ) -> None:
         """Exits on ``path``: drafts at or above the threshold, and whether the full model agreed."""
         assert self.exit_threshold is not None
-        target = out.tolist()
+        target = out if isinstance(out, list) else out.tolist()
         for parent, r in itertools.pairwise(path):
             agreed = tree.tokens[r] == target[rows.index(parent)]
             if tree.own(r) >= self.exit_threshold:
@@ -1075,7 +1080,7 @@ class TreeSpeculative:
     def _accept(
         tree: Tree,
         rows: list[int],
-        out: Tensor,
+        out: Tensor | list[int],
         gen: GenerationConfig,
         sampler: Sampler,
         exit_threshold: float | None = None,
@@ -1092,8 +1097,8 @@ class TreeSpeculative:
         for r in rows[1:]:
             children.setdefault(tree.parents[r], []).append(r)
         path = [0]
-        if gen.greedy:  # ``out`` holds each row's argmax token
-            target = out.tolist()
+        if gen.greedy:  # ``out`` holds each row's argmax token (a list from the fused pass)
+            target = out if isinstance(out, list) else out.tolist()
             while True:
                 want = target[index[path[-1]]]
                 kids = children.get(path[-1], [])
@@ -1119,6 +1124,25 @@ class TreeSpeculative:
             residual = (p[i] - q).clamp_min(0)
             total = float(residual.sum())
             return path, int(torch.multinomial(residual / total if total > 0 else p[i], 1, generator=rng))
+
+
+def greedy_verify(
+    model: Transformer,
+    tokens: list[int],
+    cache: KVCache,
+    pos: int,
+    positions: Tensor | None = None,
+    mask: Tensor | None = None,
+) -> tuple[list[int] | Tensor, Tensor]:
+    """A greedy verify pass of ``tokens`` at cache slots ``pos..``: each row's token (a list, or a tensor off the
+    fused path) and the rows' final states ``[1, T, d]``. One C++ call where the kernel has it
+    (:meth:`Transformer.greedy_pass`), else the layers and the certified head argmax: the same tokens either way."""
+    fused = model.greedy_pass(tokens, cache, pos, positions, mask)
+    if fused is not None:
+        return fused
+    x = model.embed_tokens(torch.tensor([tokens], device=model.device))
+    h = model.run_layers(x, cache, pos, positions=positions, mask=mask)
+    return head_argmax(model, h)[0], h
 
 
 def _is_chain(tree: Tree, rows: list[int]) -> bool:
@@ -1148,7 +1172,6 @@ def measure_tree_costs(model: Transformer, drafter: TreeDrafter, k_max: int, rep
     dev = model.device
     ids = torch.arange(ctx, device=dev)[None] % model.cfg.vocab_size
     h = torch.zeros(1, 1, model.cfg.hidden_size, dtype=model.dtype, device=dev)
-    one = torch.ones(1, 1, dtype=torch.long, device=dev)
 
     def timed(f: Callable[[], object], after_pass: bool = False) -> Callable[[], float]:
         """``f``'s seconds, after a one-row slow pass when ``after_pass`` (a draft follows a verify pass, which
@@ -1156,7 +1179,7 @@ def measure_tree_costs(model: Transformer, drafter: TreeDrafter, k_max: int, rep
 
         def run() -> float:
             if after_pass:
-                head_argmax(model, model.run_layers(model.embed_tokens(one), cache, ctx))
+                greedy_verify(model, [1], cache, ctx)
             t = time.perf_counter()
             f()
             return time.perf_counter() - t
@@ -1183,10 +1206,7 @@ def measure_tree_costs(model: Transformer, drafter: TreeDrafter, k_max: int, rep
             calls.append(timed(level))
     drafting = len(calls)
     for k in range(1, k_max + 2):
-        block = torch.ones(1, k, dtype=torch.long, device=dev)
-        calls.append(
-            timed(lambda block=block: head_argmax(model, model.run_layers(model.embed_tokens(block), cache, ctx)))
-        )
+        calls.append(timed(lambda k=k: greedy_verify(model, [1] * k, cache, ctx)))
     best = [math.inf] * len(calls)
     with torch.inference_mode():
         model(ids, cache, 0, last_only=True)
