@@ -1,7 +1,8 @@
 """Where an `m2r2` round's wall clock goes, part by part, inside real greedy generation on MT-Bench
 first turns (after a warm-up; 1 thread unless THREADS): drafting the tree, choosing its rows, the verify pass's
 layers, its head, accepting, compacting the cache, and the rest of the round (Python around them).
-`vanilla` is timed the same way for its one-token steps.
+`vanilla` is timed the same way for its one-token steps. Where a greedy pass runs as one C++ call
+(`Transformer.greedy_pass`, from commit 56fcc7f) its layers, head and argmax are one part, `pass`.
 
     python experiments/round_parts.py [PROMPTS] [FIRST] [THREADS]
 """
@@ -41,6 +42,7 @@ def timed(owner, name, part):
 
 
 timed(model, "run_layers", "layers")
+timed(model, "greedy_pass", "pass")
 timed(tree_mod, "head_argmax", "head")
 timed(tree_mod.TreeSpeculative, "draft", "draft")
 timed(tree_mod.TreeSpeculative, "choose", "choose")
@@ -64,11 +66,11 @@ for method in ("vanilla", "m2r2"):
         f"{method}: {tokens / elapsed:.1f} tok/s, {tokens / passes:.2f} tokens/pass, {rows / passes:.2f} rows/pass, "
         f"{ms:.2f} ms/pass"
     )
-    inner = sum(per_pass.get(k, 0.0) for k in ("layers", "head", "draft", "choose", "accept", "keep"))
-    for k in ("draft", "choose", "layers", "head", "accept", "keep"):
+    inner = sum(per_pass.get(k, 0.0) for k in ("pass", "layers", "head", "draft", "choose", "accept", "keep"))
+    for k in ("draft", "choose", "pass", "layers", "head", "accept", "keep"):
         if k in per_pass:
             print(f"  {k:7s} {per_pass[k]:6.2f} ms/pass")
     if "round" in per_pass:
         print(f"  rest of round {per_pass['round'] - inner:6.2f} ms/pass")
-    outside = "outside rounds (prefill, stopping)" if "round" in per_pass else "the rest (head, sampling, prefill)"
+    outside = "outside rounds (prefill, stopping)" if "round" in per_pass else "the rest (head, sampling, prefill, loop)"
     print(f"  {outside} {ms - per_pass.get('round', inner):6.2f} ms/pass")
