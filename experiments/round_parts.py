@@ -72,5 +72,6 @@ for method in ("vanilla", "m2r2"):
             print(f"  {k:7s} {per_pass[k]:6.2f} ms/pass")
     if "round" in per_pass:
         print(f"  rest of round {per_pass['round'] - inner:6.2f} ms/pass")
-    outside = "outside rounds (prefill, stopping)" if "round" in per_pass else "the rest (head, sampling, prefill, loop)"
+    rest = "the rest (head, sampling, prefill, loop)"
+    outside = "outside rounds (prefill, stopping)" if "round" in per_pass else rest
     print(f"  {outside} {ms - per_pass.get('round', inner):6.2f} ms/pass")

@@ -528,6 +528,12 @@ def fused_pass_fits(
     )
 
 
+def _fused_pass_args(cache: KVCache, pos: int, mask: Tensor, cos: Tensor, sin: Tensor) -> tuple:
+    """What the fused C++ passes (``stack_forward``, ``greedy_pass``) take after their rows: the cache, the first
+    slot, the mask and the RoPE rows, contiguous."""
+    return cache.k, cache.v, pos, mask.contiguous(), cos.contiguous(), sin.contiguous()
+
+
 #: the largest cache capacity whose square causal mask a model keeps (4 MB of booleans): masks of a pass are its rows
 CAUSAL_KEPT_MAX = 2048
 
@@ -779,21 +785,10 @@ class Transformer(Tracked):
             if layers:
                 hidden.extend(torch.cat(parts, dim=1) for parts in zip(*layers, strict=True))
             return torch.cat(outs, dim=1)
-        kv_len = cache.max_len
-        if positions is None:
-            cos, sin = self.rope(pos, t, x.dtype)
-        else:
-            cos, sin = self.rope_cos[positions].to(x.dtype), self.rope_sin[positions].to(x.dtype)
-            if mask is None:
-                raise ValueError("explicit positions need an explicit mask")
-        if mask is None:
-            if t > ROW_INVARIANT_MAX_ROWS:
-                # a long pass (a prefill) runs the fused kernel, never a decoding step's bits, so it
-                # attends only the filled slots: 1.5-2.5x faster attention on 67-300-token prompts
-                kv_len = pos + t
-            mask = self.causal_mask(pos, t, kv_len)
-        elif mask.shape[-1] < kv_len:  # pad a custom mask to the cache capacity (see causal_mask)
-            mask = torch.cat([mask, mask.new_zeros(t, kv_len - mask.shape[-1])], dim=-1)
+        # a long pass (a prefill) runs the fused kernel, never a decoding step's bits, so it attends only the
+        # filled slots: 1.5-2.5x faster attention on 67-300-token prompts
+        kv_len = pos + t if mask is None and t > ROW_INVARIANT_MAX_ROWS else cache.max_len
+        cos, sin, mask = self.pass_tables(pos, t, x.dtype, positions, mask, kv_len)
         layer_mask: Tensor | GappedMask = mask
         if (
             positions is not None
@@ -807,18 +802,8 @@ class Transformer(Tracked):
         stack = self._stack_for(x, cache, pos, layer_mask, rows) if n > 0 else None
         if stack is not None:  # every block in one C++ call: the per-block path's bits without its Python
             ext = amx.avx2_extension()
-            outs = ext.stack_forward(  # type: ignore[union-attr]
-                stack,
-                x[0].contiguous(),
-                cache.k,
-                cache.v,
-                pos,
-                mask.contiguous(),
-                cos.contiguous(),
-                sin.contiguous(),
-                n,
-                hidden is not None,
-            )
+            args = _fused_pass_args(cache, pos, mask, cos, sin)
+            outs = ext.stack_forward(stack, x[0].contiguous(), *args, n, hidden is not None)  # type: ignore[union-attr]
             if hidden is not None:
                 hidden.extend(o[None] for o in outs)
             x = outs[-1][None]
@@ -877,35 +862,32 @@ class Transformer(Tracked):
         parts = self.greedy_parts()
         if parts is None:
             return None
-        kv_len = cache.max_len
+        if positions is not None and row_kernel(torch.bfloat16, self.device) is None:
+            return None  # run_layers would analyse the mask for the per-op attention instead
+        cos, sin, mask = self.pass_tables(pos, t, torch.bfloat16, positions, mask, cache.max_len)
+        stack, head = parts
+        ext = amx.avx2_extension()
+        lm = (stack, head, self.norm.weight, self.norm.eps, self.embed.weight)
+        ids, h = ext.greedy_pass(*lm, tokens, *_fused_pass_args(cache, pos, mask, cos, sin))  # type: ignore[union-attr]
+        cache.length = pos + t
+        return ids, h[None]
+
+    def pass_tables(
+        self, pos: int, t: int, dtype: torch.dtype, positions: Tensor | None, mask: Tensor | None, kv_len: int
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """A pass's RoPE rows (``cos``, ``sin``: ``[t, D]`` in ``dtype``) and its mask over ``kv_len`` cache slots: the
+        causal one at positions ``pos..pos+t-1``, or the given ``positions`` and ``mask`` (padded to ``kv_len``)."""
         if positions is None:
-            cos, sin = self.rope(pos, t, torch.bfloat16)
-            mask = self.causal_mask(pos, t, kv_len)
+            cos, sin = self.rope(pos, t, dtype)
         else:
             if mask is None:
                 raise ValueError("explicit positions need an explicit mask")
-            if row_kernel(torch.bfloat16, self.device) is None:
-                return None
-            cos, sin = self.rope_cos[positions].to(torch.bfloat16), self.rope_sin[positions].to(torch.bfloat16)
-            if mask.shape[-1] < kv_len:  # padded to the cache capacity, as run_layers pads it
-                mask = torch.cat([mask, mask.new_zeros(t, kv_len - mask.shape[-1])], dim=-1)
-        stack, head = parts
-        ids, h = amx.avx2_extension().greedy_pass(  # type: ignore[union-attr]
-            stack,
-            head,
-            self.norm.weight,
-            self.norm.eps,
-            self.embed.weight,
-            tokens,
-            cache.k,
-            cache.v,
-            pos,
-            mask.contiguous(),
-            cos.contiguous(),
-            sin.contiguous(),
-        )
-        cache.length = pos + t
-        return ids, h[None]
+            cos, sin = self.rope_cos[positions].to(dtype), self.rope_sin[positions].to(dtype)
+        if mask is None:
+            mask = self.causal_mask(pos, t, kv_len)
+        elif mask.shape[-1] < kv_len:  # pad a custom mask to the cache capacity (see causal_mask)
+            mask = torch.cat([mask, mask.new_zeros(t, kv_len - mask.shape[-1])], dim=-1)
+        return cos, sin, mask
 
     def _stack_for(
         self, x: Tensor, cache: KVCache, pos: int, mask: Tensor | GappedMask, max_rows: int = ROW_INVARIANT_MAX_ROWS
