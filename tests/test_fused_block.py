@@ -522,11 +522,12 @@ def test_a_greedy_pass_steps_aside_where_it_does_not_apply(tiny_model) -> None:
 
 @needs_avx2
 def test_greedy_answers_are_the_same_with_the_one_call_pass(tiny_model, monkeypatch) -> None:
-    """Trees verified in one-call passes answer token for token as plain decoding op by op, and so does plain
-    decoding in one-call steps."""
+    """Trees verified in one-call passes answer token for token as plain decoding op by op, and so do plain
+    decoding in one-call steps and lookahead decoding's one-call passes."""
     import random
 
     from m2r2.decoding.autoregressive import Autoregressive
+    from m2r2.decoding.lookahead import Lookahead
     from m2r2.decoding.tree import TreeSpeculative
 
     model, fast = avx2_stream(tiny_model, noise=0.05, head_bits=4, token_taps=())
@@ -541,3 +542,4 @@ def test_greedy_answers_are_the_same_with_the_one_call_pass(tiny_model, monkeypa
         monkeypatch.setattr(model_mod, "GREEDY_PASS", True)
         assert Autoregressive(model, []).generate(prompt, gen).tokens == plain
         assert strat.generate(prompt, gen).tokens == plain
+        assert Lookahead(model, [], window=3, ngram=3, candidates=2).generate(prompt, gen).tokens == plain

@@ -132,17 +132,24 @@ class Lookahead:
             verified = cache.length
             if verified + step_tokens > cache.max_len or verified + step_tokens > ctx:
                 # too close to the end for a full step: plain decoding for the rest
-                out = model(torch.tensor([[tok]], device=dev), cache, verified)[0, -1]
-                emitted = [int(out.argmax())]
+                fused = model.greedy_pass([tok], cache, verified)
+                if fused is not None:  # the step and its argmax in one C++ call where the kernel has it
+                    emitted = fused[0]
+                else:
+                    emitted = [int(model(torch.tensor([[tok]], device=dev), cache, verified)[0, -1].argmax())]
                 tok = emitted[0]
                 passes += 1
                 continue
             cands = pool.candidates(tok, self.candidates)
             positions, mask = self._layout(verified, cands)
             ids = [tok, *guess, *(x for c in cands for x in c)]
-            out = model(torch.tensor([ids], device=dev), cache, verified, positions=positions, mask=mask)[0]
+            fused = model.greedy_pass(ids, cache, verified, positions, mask)
+            if fused is not None:  # the pass and each row's argmax in one C++ call (the same tokens)
+                top = fused[0]
+            else:
+                out = model(torch.tensor([ids], device=dev), cache, verified, positions=positions, mask=mask)[0]
+                top = out.argmax(-1).tolist()
             passes += 1
-            top = out.argmax(-1).tolist()
             nxt = top[0]
             # verify candidates: c[0] must be the true next token, c[i] the argmax after c[i-1]
             best_len, best_slots, best_follow, base = 0, [], nxt, 1 + self.window

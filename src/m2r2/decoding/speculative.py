@@ -177,9 +177,14 @@ class SelfSpeculative:
         if self.costs is not None:
             cap = self.costs.best_length(accept_rate, cap)
         drafts, qs = self._draft(drafter, tok, verified, cap, gen, sampler)
-        block = torch.tensor([[tok, *drafts]], device=self.model.device)
-        verify = self.model(block, cache, verified)[0]  # [g+1, V]
-        n, nxt = self._accept(drafts, qs, verify, gen, sampler)
+        # greedy: the pass and each row's argmax in one C++ call where the kernel has it (the same tokens)
+        fused = self.model.greedy_pass([tok, *drafts], cache, verified) if gen.greedy else None
+        if fused is not None:
+            n, nxt = self._accept_greedy(drafts, fused[0])
+        else:
+            block = torch.tensor([[tok, *drafts]], device=self.model.device)
+            verify = self.model(block, cache, verified)[0]  # [g+1, V]
+            n, nxt = self._accept(drafts, qs, verify, gen, sampler)
         if drafts:  # running per-draft acceptance, for the next round's draft length
             accept_rate = 0.8 * accept_rate + 0.2 * (n / len(drafts))
         cache.truncate(verified + 1 + n)
@@ -209,16 +214,20 @@ class SelfSpeculative:
         return drafts, qs
 
     @staticmethod
+    def _accept_greedy(drafts: list[int], target: list[int]) -> tuple[int, int]:
+        """Greedy: the drafts that match the slow model's token at each row (``target``), and its token after them."""
+        n = 0
+        while n < len(drafts) and drafts[n] == target[n]:
+            n += 1
+        return n, int(target[n])
+
+    @staticmethod
     def _accept(
         drafts: list[int], qs: list[Tensor], verify: Tensor, gen: GenerationConfig, sampler: Sampler
     ) -> tuple[int, int]:
         """Number of drafts kept and the slow model's next token after them."""
         if gen.greedy:
-            target = argmax_rows(verify).tolist()
-            n = 0
-            while n < len(drafts) and drafts[n] == target[n]:
-                n += 1
-            return n, int(target[n])
+            return SelfSpeculative._accept_greedy(drafts, argmax_rows(verify).tolist())
         p = warp_probs(verify, gen)
         rng = sampler.rng
         for i, d in enumerate(drafts):
