@@ -501,9 +501,9 @@ std::vector<torch::Tensor> stack_forward(const BlockStack& stack, torch::Tensor 
 // the stack (stack_forward's work), the final RMSNorm (`norm_w`), the LM head (`head`) and each row's argmax: what
 // Transformer.run_layers, head and argmax_rows do one op at a time, with the same kernels in the same order, so the
 // same tokens and states (tested). Why: a pass streams ~80 MB of weights through the cores' caches, and every Python
-// or torch op after it runs cold: an embedding of 3 rows took ~55 us after the layers against ~5 us warm, the norm
-// ~30-50, the argmax ~55 (experiments/cold_ops.py). A `vanilla` step or a verify pass paid five such ops around its
-// kernels. mask, cos, sin and the cache as stack_forward takes them. Returns each row's token and the rows' final
+// or torch op after it runs cold: an embedding of 3 rows took ~60 us after the layers against ~7 us warm, the norm
+// ~50 against ~6, the argmax ~50 against ~17 (experiments/cold_ops.py). A `vanilla` step or a verify pass paid four
+// or five such ops around its kernels. mask, cos, sin and the cache as stack_forward takes them. Returns each row's token and the rows' final
 // states [T, d] (before the norm: what the drafters seed from).
 std::tuple<std::vector<int64_t>, torch::Tensor> greedy_pass(const BlockStack& stack, const Linear& head,
                                                             torch::Tensor norm_w, double eps, torch::Tensor embed,
