@@ -816,32 +816,34 @@ class Transformer(Tracked):
             cache.length = pos + t
         return x
 
-    def greedy_parts(self) -> tuple[object, object] | None:
-        """The fused stack and the LM head's weights for :meth:`greedy_pass` (``csrc_avx2`` ``greedy_pass``), or None
-        where a pass cannot run there: the stack missing, a head other than the AVX2 build's 4/8-bit one, a bias, or
-        norm or embedding weights not in bfloat16. Kept, keyed by the head module and its packed weights."""
-        stack = self.fused_stack()
-        head, norm = self.lm_head, self.norm.weight
-        qbytes = getattr(head, "qbytes", None)
-        key = (id(stack), id(head), id(qbytes), id(norm), id(self.embed.weight))
+    def greedy_parts(self) -> tuple[object, ...] | None:
+        """What :meth:`greedy_pass` hands ``csrc_avx2``'s ``greedy_pass`` besides a pass's rows: the fused stack, the LM
+        head's weights, the final norm's weight and epsilon and the embedding table; None where a pass cannot run
+        there (the stack missing, a head other than the AVX2 build's 4/8-bit one, a bias, norm or embedding weights
+        not in bfloat16). Kept as :meth:`fused_stack` keeps its stack, until something is assigned onto the model's
+        modules (:class:`Structure`): a pass reads no module attribute for them."""
         kept = self.__dict__.get("_greedy")
-        if kept is not None and kept[0] == key:
+        if kept is not None and kept[0] == Structure.version:
             return kept[1]
-        parts = None
+        version = Structure.version
+        stack = self.fused_stack()
+        head, norm = self.lm_head, self.norm
         ext = amx.avx2_extension()
+        parts = None
         if (
             stack is not None
             and hasattr(ext, "greedy_pass")
             and getattr(head, "op", None) in AVX2_OPS
             and getattr(head, "products", None) == "avx2"
             and head.bias is None
-            and norm.dtype == torch.bfloat16
+            and norm.weight.dtype == torch.bfloat16
             and self.embed.weight.dtype == torch.bfloat16
         ):
             none = torch.empty(0)
-            lm = ext.make_linear(qbytes, head.scales, AVX2_OPS[head.op], none, head.in_features, head.out_features)  # type: ignore[union-attr]
-            parts = (stack, lm)
-        self.__dict__["_greedy"] = (key, parts)
+            bits = AVX2_OPS[head.op]  # type: ignore[index]
+            lm = ext.make_linear(head.qbytes, head.scales, bits, none, head.in_features, head.out_features)  # type: ignore[union-attr]
+            parts = (stack, lm, norm.weight, norm.eps, self.embed.weight)
+        self.__dict__["_greedy"] = (version, parts)
         return parts
 
     def greedy_pass(
@@ -855,9 +857,13 @@ class Transformer(Tracked):
         the same order. Why one call: after a pass has streamed the weights through the caches, each op that follows
         runs cold (``experiments/cold_ops.py``); a step paid five of them around its kernels."""
         t = len(tokens)
-        if not GREEDY_PASS or t > ROW_INVARIANT_MAX_ROWS or cache.k.shape[1] != 1 or pos + t > cache.max_len:
-            return None
-        if torch.is_grad_enabled():
+        if (
+            not GREEDY_PASS
+            or t > ROW_INVARIANT_MAX_ROWS
+            or cache.k.shape[1] != 1
+            or pos + t > cache.max_len
+            or torch.is_grad_enabled()
+        ):
             return None
         parts = self.greedy_parts()
         if parts is None:
@@ -865,10 +871,8 @@ class Transformer(Tracked):
         if positions is not None and row_kernel(torch.bfloat16, self.device) is None:
             return None  # run_layers would analyse the mask for the per-op attention instead
         cos, sin, mask = self.pass_tables(pos, t, torch.bfloat16, positions, mask, cache.max_len)
-        stack, head = parts
         ext = amx.avx2_extension()
-        lm = (stack, head, self.norm.weight, self.norm.eps, self.embed.weight)
-        ids, h = ext.greedy_pass(*lm, tokens, *_fused_pass_args(cache, pos, mask, cos, sin))  # type: ignore[union-attr]
+        ids, h = ext.greedy_pass(*parts, tokens, *_fused_pass_args(cache, pos, mask, cos, sin))  # type: ignore[union-attr]
         cache.length = pos + t
         return ids, h[None]
 

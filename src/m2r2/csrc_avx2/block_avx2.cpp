@@ -503,8 +503,8 @@ std::vector<torch::Tensor> stack_forward(const BlockStack& stack, torch::Tensor 
 // same tokens and states (tested). Why: a pass streams ~80 MB of weights through the cores' caches, and every Python
 // or torch op after it runs cold: an embedding of 3 rows took ~60 us after the layers against ~7 us warm, the norm
 // ~50 against ~6, the argmax ~50 against ~17 (experiments/cold_ops.py). A `vanilla` step or a verify pass paid four
-// or five such ops around its kernels. mask, cos, sin and the cache as stack_forward takes them. Returns each row's token and the rows' final
-// states [T, d] (before the norm: what the drafters seed from).
+// or five such ops around its kernels. mask, cos, sin and the cache as stack_forward takes them. Returns each row's
+// token and the rows' final states [T, d] (before the norm: what the drafters seed from).
 std::tuple<std::vector<int64_t>, torch::Tensor> greedy_pass(const BlockStack& stack, const Linear& head,
                                                             torch::Tensor norm_w, double eps, torch::Tensor embed,
                                                             const std::vector<int64_t>& tokens, torch::Tensor k_all,
