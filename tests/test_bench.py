@@ -110,6 +110,21 @@ def _settings(tmp_path: Path, **kw) -> BenchSettings:
     return BenchSettings(**{**base, **kw})
 
 
+def test_stamp_names_the_path_switches_set(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run with a switch that picks other code paths (the same tokens, other timings) says so in its command."""
+    from types import SimpleNamespace
+
+    from m2r2.bench.results import PATH_SWITCHES, environment
+
+    fake = SimpleNamespace(dtype_name="bf16", kernel="q4-avx2", device="cpu", model_dir=tmp_path)
+    settings = _settings(tmp_path, command="m2r2 bench --suite dynamic")
+    for name in PATH_SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+    assert environment(fake, settings)["command"] == "m2r2 bench --suite dynamic"  # type: ignore[arg-type]
+    monkeypatch.setenv("M2R2_NO_GREEDY_PASS", "1")
+    assert environment(fake, settings)["command"] == "M2R2_NO_GREEDY_PASS=1 m2r2 bench --suite dynamic"  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(
     ("kw", "match"),
     [

@@ -923,6 +923,7 @@ def _add_seeded_commands(sub: argparse._SubParsersAction) -> None:
         "with and checked against at inference; a resumed store must use the same",
     )
     st.add_argument("--model", default=os.environ.get("M2R2_MODEL"), help="base model (default smollm2-135m)")
+    st.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     st.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     st.set_defaults(func=cmd_store)
 
@@ -1065,6 +1066,7 @@ def _add_store_train_args(p: argparse.ArgumentParser, out: str, what: str, init:
         "(default: shipped)",
     )
     p.add_argument("--model", default=os.environ.get("M2R2_MODEL"), help="base model (default smollm2-135m)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
 
@@ -1124,14 +1126,16 @@ def cmd_store(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from m2r2.engine import Engine
+    from m2r2.machine import default_device
     from m2r2.training.store import StoreSettings, build_store, store_precision
 
     data = Path(args.data)
     if not data.is_file():
         raise InputError(f"{data}: no such conversations file")
     dtype = args.dtype or store_precision(Path(args.out))
-    default = "mkldnn" if dtype == "bf16" else "plain"
-    engine = Engine(args.model, dtype=dtype, kernel=args.kernel or default, threads=args.threads)
+    device = args.device or default_device()
+    default = "mkldnn" if dtype == "bf16" and device == "cpu" else "plain"  # oneDNN is the CPU's; a GPU runs torch's
+    engine = Engine(args.model, dtype=dtype, device=device, kernel=args.kernel or default, threads=args.threads)
     kernel = "" if args.kernel is None else engine.kernel  # what "auto" resolved to, so a resume must match it
     s = StoreSettings(
         str(data), args.max_len, args.batch, kv_layers=args.kv_layers, precision=dtype, taps=args.taps, kernel=kernel
@@ -1187,7 +1191,7 @@ def _train_from_store(args: argparse.Namespace, kind: str) -> int:
     from m2r2.training import draft_train as dt
     from m2r2.training import seeded_train as st
 
-    engine = Engine(args.model, dtype="fp32", threads=args.threads)
+    engine = Engine(args.model, dtype="fp32", device=args.device, threads=args.threads)
     src = None if args.draft_vocab == "none" else args.draft_vocab or bundled_adapters(engine.fingerprint, "prefix")
     vocab = read_draft_vocab(Path(src), engine.model.cfg.vocab_size) if src else None
     common = dict(

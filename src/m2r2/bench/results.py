@@ -7,6 +7,7 @@ run one way: ``cli -> harness -> suites -> results``.
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -60,12 +61,19 @@ def git_commit() -> str:
     return (commit + ("-dirty" if dirty else "")) if commit else "unknown"
 
 
+#: environment switches that choose the code paths a run times (the same tokens, other timings): a run stamps those
+#: set into its command, so that it reruns on the same paths
+PATH_SWITCHES = ("M2R2_NO_GREEDY_PASS", "M2R2_NO_FUSED", "M2R2_NO_AMX")
+
+
 def environment(engine: Engine, settings: BenchSettings | None = None) -> dict[str, Any]:
     """What a reader needs to judge timings and rerun them (hardware, precision, threads, versions,
     commit, command); in every results.json."""
     import transformers
 
     command = settings.command if settings and settings.command else shlex.join(["m2r2", *sys.argv[1:]])
+    switches = [f"{k}={shlex.quote(os.environ[k])}" for k in PATH_SWITCHES if os.environ.get(k)]
+    command = " ".join([*switches, command])
     return {
         "dtype": engine.dtype_name,
         "kernel": engine.kernel,

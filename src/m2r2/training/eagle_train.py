@@ -48,8 +48,8 @@ def eagle_losses(head: EagleHead, batch: dict[str, Tensor], steps: int) -> dict[
     t = hidden.shape[1]
     nxt_h, nxt_p, nxt_top = hidden[:, 1:], p[:, 1:], top[:, 1:]  # position t's targets are t + 1's
     rms = nxt_h.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-3)
-    pos = torch.arange(t - 1)
-    feat = ce = torch.zeros(())
+    pos = torch.arange(t - 1, device=hidden.device)
+    feat = ce = hidden.new_zeros(())
     agree, counts = [], []
     for s, f in enumerate(head.forward_chain(batch["tokens"], hidden, steps)):
         m = valid[:, 1:] & (pos >= s)[None, :]  # depth s + 1 needs s drafted positions before it

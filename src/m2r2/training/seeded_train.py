@@ -129,10 +129,13 @@ class Trainee:
     weigh: Callable[[list[int]], Tensor] | None = None
 
 
-def pad_batch(seqs: list[dict[str, Tensor]], depth: int, taps: bool = False) -> dict[str, Tensor]:
+def pad_batch(
+    seqs: list[dict[str, Tensor]], depth: int, taps: bool = False, device: torch.device | None = None
+) -> dict[str, Tensor]:
     """Right-pad store sequences to one length; ``valid`` marks real positions; K/V of the last ``depth``
     stored layers (none for 0); with ``taps``, the stored tap layers' outputs; the sequences' loss
-    ``weight`` where they carry one."""
+    ``weight`` where they carry one. On ``device`` (the trainee's: the store is read into host memory, a GPU
+    run moves each batch over)."""
     t = max(len(s["tokens"]) for s in seqs)
     b = len(seqs)
     tokens = torch.zeros(b, t, dtype=torch.long)
@@ -159,7 +162,7 @@ def pad_batch(seqs: list[dict[str, Tensor]], depth: int, taps: bool = False) -> 
         if depth:
             out["k"][:, i, :, :n] = s["k"][-depth:].float().transpose(1, 2)
             out["v"][:, i, :, :n] = s["v"][-depth:].float().transpose(1, 2)
-    return out
+    return out if device is None else {k: v.to(device, non_blocking=True) for k, v in out.items()}
 
 
 def _mean(x: Tensor, m: Tensor, w: Tensor | None = None) -> Tensor:
@@ -211,9 +214,9 @@ def chain_losses(
         p = torch.where(outside[..., None], torch.full_like(p, 1.0 / p.shape[-1]), p)
         hit_target, top1_mask = top_exact, valid & ~outside
     out = stream.forward_chain(batch["tokens"], hidden, batch["k"], batch["v"], chain, batch.get("taps"))
-    pos = torch.arange(hidden.shape[1])
+    pos = torch.arange(hidden.shape[1], device=hidden.device)
     rms = hidden.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-3)
-    ce = hard = align = arla = torch.zeros(())
+    ce = hard = align = arla = hidden.new_zeros(())
     agree, counts, agree_exact = [], [], []
     for s, states in enumerate(out, start=1):
         m = valid & (pos >= s)[None, :]
@@ -241,7 +244,7 @@ def medusa_losses(heads: MedusaHeads, batch: dict[str, Tensor]) -> dict[str, Any
     hidden, valid = batch["hidden"], batch["valid"]
     w, p, top = targets(heads, hidden)
     t = hidden.shape[1]
-    ce = torch.zeros(())
+    ce = hidden.new_zeros(())
     agree, counts = [], []
     for i in range(heads.cfg.heads):
         off = i + 1  # head i at position t predicts what the full model predicts at t + off
@@ -398,6 +401,7 @@ def train_on_store(
         raise SettingsError("batch must be >= 1")
     if module.base.dtype != torch.float32:
         raise SettingsError("train drafters on the float32 model (--dtype fp32)")
+    module.to(module.base.device)  # built on the host; a GPU run trains where the base model lies
     stores = [TrainStore(Path(p), fingerprint) for p in str(s.store).split(",")]
     depth = len(t.kv_layers)
     for store in stores:
@@ -473,7 +477,8 @@ def train_on_store(
     while step < s.steps and not (s.minutes and time.perf_counter() - t0 > s.minutes * 60):
         epoch, k = divmod(step, per_epoch)
         order = torch.randperm(len(train), generator=torch.Generator().manual_seed(s.seed * 100003 + epoch))
-        batch = pad_batch([train[i] for i in order[k * s.batch : (k + 1) * s.batch].tolist()], depth, bool(t.taps))
+        picked = [train[i] for i in order[k * s.batch : (k + 1) * s.batch].tolist()]
+        batch = pad_batch(picked, depth, bool(t.taps), module.base.device)
         if s.minutes and horizon is None and step - first == HORIZON_PROBE:
             horizon = time_horizon(step, HORIZON_PROBE, time.perf_counter() - t0, s.minutes, s.steps)
         for g in opt.param_groups:
@@ -535,7 +540,7 @@ def agreement(
     hits: list[float] = []
     total: list[int] = []
     for i in range(0, len(seqs), 16):
-        batch = pad_batch(seqs[i : i + 16], len(t.kv_layers), bool(t.taps))
+        batch = pad_batch(seqs[i : i + 16], len(t.kv_layers), bool(t.taps), t.module.base.device)
         for j, start in enumerate((starts or [])[i : i + 16]):
             batch["valid"][j, :start] = False  # the prompt is not drafted
         out = t.losses(batch, exact=True) if key == "agree_exact" else t.losses(batch)
