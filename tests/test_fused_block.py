@@ -543,3 +543,112 @@ def test_greedy_answers_are_the_same_with_the_one_call_pass(tiny_model, monkeypa
         assert Autoregressive(model, []).generate(prompt, gen).tokens == plain
         assert strat.generate(prompt, gen).tokens == plain
         assert Lookahead(model, [], window=3, ngram=3, candidates=2).generate(prompt, gen).tokens == plain
+
+
+@needs_avx2
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases
+@pytest.mark.parametrize("store", [None, torch.float32])  # None: bfloat16 (distillation's pool); the server's float32
+@pytest.mark.parametrize("threads", [1, 2])
+def test_batched_greedy_steps_give_each_sequence_its_lone_steps(
+    tiny_model, monkeypatch, arch: str, store, threads: int
+) -> None:
+    """``greedy_steps`` (one new token of each of several sequences in one C++ call) gives every row the token, final
+    state and cached keys and values of that sequence's lone ``greedy_pass`` step, for sequences of different lengths
+    (one past the AMX attention's threshold) and caches (lent by a pool at two capacities, in its item order or not
+    after one leaves and the last moves into its place, and a lone one), and it is the path a batched step takes."""
+    from m2r2.cache import KVPool
+
+    d = tiny_model(arch=arch, hidden_size=64, intermediate_size=128, vocab_size=320, layers=3,
+                   max_position_embeddings=1024)  # fmt: skip
+    model = load_model(d, torch.bfloat16, kernel="q4-avx2").model
+    ext = amx.avx2_extension()
+    calls, original = [], ext.greedy_steps
+    monkeypatch.setattr(ext, "greedy_steps", lambda *a: (calls.append(len(a[5])), original(*a))[1])
+    g = torch.Generator().manual_seed(4)
+    lengths, capacities = [3, 17, 40, 500, 9, 30], [560, 560, 560, 560, 128, 96]
+    pool = KVPool(model.cfg, 8, torch.bfloat16, model.device, store)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            seqs = []  # (pooled cache, lone cache, next token)
+            for n, capacity in zip(lengths, capacities, strict=True):
+                prompt = torch.randint(0, 320, (1, n), generator=g)
+                pooled = pool.take(capacity) if capacity > 100 else model.new_cache(capacity)  # the last: a lone cache
+                lone = model.new_cache(capacity)
+                if store is not None:
+                    lone.k, lone.v = lone.k.to(store), lone.v.to(store)
+                    if pooled.base is None:
+                        pooled.k, pooled.v = pooled.k.to(store), pooled.v.to(store)
+                first = model(prompt, pooled, 0, last_only=True)[0, -1].argmax()
+                assert torch.equal(model(prompt, lone, 0, last_only=True)[0, -1].argmax(), first)
+                seqs.append((pooled, lone, int(first)))
+            for step in range(6):
+                if step == 3:  # the second sequence leaves: the last one moves into its item
+                    pool.give(seqs.pop(1)[0])
+                    assert [c.item for c, _, _ in seqs[:3]] == [0, 2, 1]
+                out = model.greedy_steps([t for _, _, t in seqs], [c for c, _, _ in seqs])
+                assert out is not None
+                ids, h = out
+                for b, (pooled, lone, tok) in enumerate(seqs):
+                    want, h_lone = model.greedy_pass([tok], lone, lone.length)
+                    assert ids[b] == want[0], f"step {step}, sequence {b}"
+                    assert torch.equal(h[b], h_lone[0]), f"step {step}, sequence {b}"
+                    assert pooled.length == lone.length
+                    n = lone.length
+                    assert torch.equal(pooled.k[:, :, :, :n], lone.k[:, :, :, :n])
+                    assert torch.equal(pooled.v[:, :, :, :n], lone.v[:, :, :, :n])
+                seqs = [(c, lone, t) for (c, lone, _), t in zip(seqs, ids, strict=True)]
+    finally:
+        torch.set_num_threads(before)
+    assert calls == [6, 6, 6, 5, 5, 5]
+
+
+@needs_avx2
+def test_batched_greedy_steps_step_aside_where_they_do_not_apply(tiny_model) -> None:
+    """None (the caller runs ``step_rows`` and the head) for a cache of several sequences, a full cache, more rows
+    than the kernels keep row-invariant, and with gradients on."""
+    from m2r2.cache import KVPool
+
+    d = tiny_model(hidden_size=64, intermediate_size=128, vocab_size=320, layers=3)
+    model = load_model(d, torch.bfloat16, kernel="q4-avx2").model
+    one, two = (KVPool(model.cfg, 40, torch.bfloat16, model.device) for _ in range(2))
+    a, b = one.take(16), two.take(32)
+    with torch.inference_mode():
+        assert model.greedy_steps([1, 2, 3], [a, b, model.new_cache(24)]) is not None
+        assert model.greedy_steps([1], [model.new_cache(16, batch=2)]) is None
+        many = [one.take(16) for _ in range(model_mod.ROW_INVARIANT_MAX_ROWS - 1)]
+        assert model.greedy_steps([1] * (len(many) + 1), [a, *many]) is not None
+        assert model.greedy_steps([1] * (len(many) + 2), [a, b, *many]) is None
+        a.length = 16
+        assert model.greedy_steps([1], [a]) is None
+    with torch.enable_grad():
+        assert model.greedy_steps([1], [b]) is None
+
+
+@needs_avx2
+def test_distilled_answers_are_plain_greedy_answers(tiny_model, monkeypatch) -> None:
+    """Continuous batching (fewer live sequences than prompts, answers of different lengths, some ended by an end
+    token) gives every prompt plain greedy decoding's answer, through one-call batched steps or through step_rows."""
+    import random
+
+    from m2r2.decoding.autoregressive import Autoregressive
+    from m2r2.training.distill import answer_stream
+
+    d = tiny_model(hidden_size=64, intermediate_size=128, vocab_size=320, layers=3)
+    model = load_model(d, torch.bfloat16, kernel="q4-avx2").model
+    rng = random.Random(5)
+    prompts = [[rng.randrange(320) for _ in range(rng.randint(2, 40))] for _ in range(7)]
+    eos = [7, 11, 13]
+    plain = [Autoregressive(model, eos).generate(p, GenerationConfig(max_new_tokens=24)).tokens for p in prompts]
+    plain = [t[:-1] if t and t[-1] in eos else t for t in plain]  # an answer's record holds no end token
+    assert any(len(t) < 24 for t in plain) and any(len(t) == 24 for t in plain)
+    ext = amx.avx2_extension()
+    calls, original = [], ext.greedy_steps
+    monkeypatch.setattr(ext, "greedy_steps", lambda *a: (calls.append(1), original(*a))[1])
+    for fused in (True, False):
+        calls.clear()
+        monkeypatch.setattr(model_mod, "GREEDY_PASS", fused)
+        got = dict(answer_stream(model, prompts, 24, eos, live=3))
+        assert [got[i] for i in range(len(prompts))] == plain
+        assert bool(calls) == fused

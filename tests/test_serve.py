@@ -391,10 +391,13 @@ def test_stop_strings_cut_streamed_and_whole_answers_alike(server, tiny_engine):
 
 
 @pytest.mark.slow
-def test_bundled_model_m2r2_alone_and_batched_together_is_lossless(real_engine_bf16):
-    """Default method (m2r2 for the bundled model): a lone request speculates, concurrent ones batch;
-    every answer equals ``Engine.generate`` alone with vanilla and with m2r2."""
+def test_bundled_model_m2r2_alone_and_batched_together_is_lossless(real_engine_bf16, monkeypatch):
+    """Default method (m2r2 for the bundled model): a lone request speculates, concurrent ones batch (greedy ones in
+    one-call batched steps where the kernel has them); every answer equals ``Engine.generate`` alone with vanilla and
+    with m2r2."""
     eng = real_engine_bf16
+    fused, steps = [], eng.model.greedy_steps
+    monkeypatch.setattr(eng.model, "greedy_steps", lambda *a: (r := steps(*a), fused.append(r is not None))[0])
     prompts = ["What is the capital of France?", "Write a haiku about rain.", "Explain recursion briefly.",
                "List three primes."]  # fmt: skip
     with background(build(eng, "smollm2-135m", "auto", max_batch=4)) as url:
@@ -416,6 +419,7 @@ def test_bundled_model_m2r2_alone_and_batched_together_is_lossless(real_engine_b
         with ThreadPoolExecutor(len(prompts)) as pool:
             answers = list(pool.map(together, prompts))
         assert wait_idle(url)["peak_batch"] >= 2
+    assert fused and all(fused) == (eng.model.greedy_parts() is not None)
     assert alone.choices[0].message.content == answers[0].choices[0].message.content
     for p, a in zip(prompts, answers, strict=True):
         ids = eng.tokenizer.encode_chat([{"role": "user", "content": p}])

@@ -302,36 +302,52 @@ void add_blocks(const uint16_t* a, uint16_t* out, int64_t T, int64_t n, int64_t 
   for (int64_t t = 0; t < T; ++t) add_bf16(a + t * n + b0 * 8, out + t * n + b0 * 8, out + t * n + b0 * 8, (b1 - b0) * 8);
 }
 
+// The rows of a batched decoding step: row t is one new token of its own sequence, whose cache (this block's) is
+// caches[t], written at slot slots[t] and attending the first keys[t] slots as its mask row marks. Why: several
+// sequences decoding together (the server's requests, distillation) share each weight's one read, as a pass's rows
+// do, and each row keeps a lone step's bits (its linears are row-invariant; its attention reads its own keys alone).
+struct Steps {
+  const CacheView* caches;
+  const int64_t* slots;
+  const int64_t* keys;
+};
+
 // The block over T rows (raw pointers; the checks are the callers'): x, cos, sin, out as bfloat16 bits. Every thread
-// of the team calls it; each takes its share of each step.
+// of the team calls it; each takes its share of each step. `steps`: the rows are a batched step's (above); null: one
+// sequence's rows, at slots pos..pos+T-1 of batch item 0.
 void block_rows(const Team& team, const BlockWeights& w, const Rows& r, const uint16_t* xp, int64_t T,
                 const CacheView& c, int64_t pos, const bool* mask, int64_t S, const uint16_t* cp, const uint16_t* sp,
-                uint16_t* op) {
+                uint16_t* op, const Steps* steps = nullptr) {
   const int64_t d = w.attn_norm.numel(), H = w.heads, KVH = w.kv_heads, D = w.head_dim;
   const float eps = static_cast<float>(w.eps);
   const int64_t nq = H * D, nkv = KVH * D, nqkv = nq + 2 * nkv, inter = w.w2.in;
   const Loop lqkv = w.qkv.loop(T), lo = w.o.loop(T), l13 = w.w13.loop(T), l2 = w.w2.loop(T);
 
   const Inputs& mine = r.mine[team.id];
-  prefetch_cache(team, c, pos, H, KVH, T, D);
+  if (!steps) prefetch_cache(team, c, pos, H, KVH, T, D);
   const uint16_t* normed = norm_rows(team, xp, w.attn_norm, eps, T, d, w.qkv, lqkv, mine, r.mine[0].x);
   {
-    if (c.bf16 && pos + T >= amx_attention_min_keys() && amx_attention_in_use()) wake_amx_attention();
+    if ((steps ? steps->caches[0].bf16 : c.bf16) && (steps ? S : pos + T) >= amx_attention_min_keys() &&
+        amx_attention_in_use())
+      wake_amx_attention();
     const auto [b0, b1] = w.qkv.share(team);
     w.qkv.run_blocks(lqkv, normed, mine.q, mine.step, mine.qsum, T, r.y, b0, b1);
   }
   team.sync();
 
   // RoPE of the q and k heads as bfloat16 ops: x * cos and roll(x, D/2) * sin each rounded, then their sum; the
-  // rotated keys and the values into the cache. Items (row, head) over the q, k and v heads.
+  // rotated keys and the values into the cache. Items (row, head) over the q, k and v heads. A batched step's q rows
+  // go [T, H, D] (each row's heads together, as a one-row pass's), one sequence's [H, T, D].
   const int64_t heads = H + 2 * KVH;
   const auto [i0, i1] = team.share(T * heads);
   for (int64_t item = i0; item < i1; ++item) {
     const int64_t t = item / heads, hh = item % heads;
+    const CacheView& cv = steps ? steps->caches[t] : c;
+    const int64_t slot = steps ? steps->slots[t] : pos + t;
     const uint16_t* src16 = r.y + t * nqkv + hh * D;
     if (hh >= H + KVH) {  // v: unrotated
-      char* dst = c.v + ((hh - H - KVH) * c.kv[4] + (pos + t) * c.kv[5]) * c.el;
-      if (c.bf16)
+      char* dst = cv.v + ((hh - H - KVH) * cv.kv[4] + slot * cv.kv[5]) * cv.el;
+      if (cv.bf16)
         std::memcpy(dst, src16, D * 2);
       else
         for (int64_t i = 0; i < D; i += 8) _mm256_storeu_ps(reinterpret_cast<float*>(dst) + i, load8(as_bf16(src16 + i), 8));
@@ -343,10 +359,10 @@ void block_rows(const Team& team, const BlockWeights& w, const Rows& r, const ui
       const __m256 b = round_bf16(_mm256_mul_ps(load8(src + (i + D / 2) % D, 8), load8(st + i, 8)));
       const __m256 sum = _mm256_add_ps(a, b);
       if (hh < H) {
-        _mm256_storeu_ps(r.qf + (hh * T + t) * D + i, round_bf16(sum));  // q as float32 [H, T, D]
+        _mm256_storeu_ps(r.qf + (steps ? t * H + hh : hh * T + t) * D + i, round_bf16(sum));  // q as float32
       } else {
-        char* dst = c.k + ((hh - H) * c.kv[1] + (pos + t) * c.kv[2] + i) * c.el;
-        if (c.bf16)
+        char* dst = cv.k + ((hh - H) * cv.kv[1] + slot * cv.kv[2] + i) * cv.el;
+        if (cv.bf16)
           store8_bf16(reinterpret_cast<uint16_t*>(dst), sum);
         else
           _mm256_storeu_ps(reinterpret_cast<float*>(dst), round_bf16(sum));
@@ -356,8 +372,16 @@ void block_rows(const Team& team, const BlockWeights& w, const Rows& r, const ui
   team.sync();
   {  // by query vectors, so that a one-row pass's 3 key heads of 3 queries each split 5 : 4, not 6 : 3
     const auto [u0, u1] = team.share(H * T);
-    attention_units(r.qf, c.k, c.v, c.bf16, c.kv, mask, 0, r.of, 1, H, T, D, KVH, S,
-                    static_cast<float>(std::pow(static_cast<double>(D), -0.5)), u0, u1);
+    const float scale = static_cast<float>(std::pow(static_cast<double>(D), -0.5));
+    if (!steps)
+      attention_units(r.qf, c.k, c.v, c.bf16, c.kv, mask, 0, r.of, 1, H, T, D, KVH, S, scale, u0, u1);
+    else  // each row over its own sequence's keys, as that sequence's one-row step attends them
+      for (int64_t t = u0 / H; t * H < u1; ++t) {
+        const CacheView& cv = steps->caches[t];
+        const int64_t h0 = std::max(u0, t * H) - t * H, h1 = std::min(u1, (t + 1) * H) - t * H;
+        attention_units(r.qf + t * H * D, cv.k, cv.v, cv.bf16, cv.kv, mask + t * S, 0, r.of + t * H * D, 1, H, 1, D,
+                        KVH, steps->keys[t], scale, h0, h1);
+      }
   }
   team.sync();
   {  // the attention's output [T, H * D] as bfloat16 and the output projection's int8 inputs (this thread's own), the
@@ -450,6 +474,45 @@ BlockStack make_stack(std::vector<BlockWeights> blocks) {
   return BlockStack{std::move(blocks)};
 }
 
+// Blocks 0..stop-1 of a stack over rows x [T, d] (checked by the callers), one team for all: stack_forward's and
+// greedy_steps' work. Returns the last block's output [T, d], or with keep every block's output in order.
+static std::vector<torch::Tensor> run_stack(const BlockStack& stack, const torch::Tensor& x, const torch::Tensor& k_all,
+                                     const torch::Tensor& v_all, int64_t pos, const torch::Tensor& mask,
+                                     const torch::Tensor& cos, const torch::Tensor& sin, int64_t stop, bool keep,
+                                     const std::vector<Steps>& steps) {
+  const BlockWeights& w0 = stack.blocks[0];
+  const int64_t T = x.size(0), d = x.size(1), S = mask.size(1);
+  for (int64_t i = 0; i < stop; ++i) {
+    const BlockWeights& w = stack.blocks[i];
+    TORCH_CHECK(w.kv_heads == w0.kv_heads && w.head_dim == w0.head_dim, "blocks of one head shape");
+    rows_for(w, T);  // grown to the largest block first: the pointers taken below then hold for every block
+  }
+  const Rows rows = rows_for(w0, T);
+  std::vector<CacheView> caches;  // one sequence's (a batched step's rows bring their own: steps, a layer each)
+  if (steps.empty())
+    for (int64_t i = 0; i < stop; ++i) caches.push_back(cache_view(k_all.select(0, i), v_all.select(0, i)));
+  // every block's output (keep), or two buffers taken in turn: a block reads its input until its last step
+  auto outs = torch::empty({keep ? stop : std::min<int64_t>(stop, 2), T, d}, x.options());
+  const auto out_of = [&](int64_t i) {
+    return reinterpret_cast<uint16_t*>(outs.select(0, keep ? i : i % 2).data_ptr<at::BFloat16>());
+  };
+  std::vector<uint16_t*> out_rows;
+  for (int64_t i = 0; i < stop; ++i) out_rows.push_back(out_of(i));
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const auto* cp = reinterpret_cast<const uint16_t*>(cos.data_ptr<at::BFloat16>());
+  const auto* sp = reinterpret_cast<const uint16_t*>(sin.data_ptr<at::BFloat16>());
+  const bool* mp = mask.data_ptr<bool>();
+  in_team([&](const Team& team) {
+    for (int64_t i = 0; i < stop; ++i)
+      block_rows(team, stack.blocks[i], rows, i == 0 ? xp : out_rows[i - 1], T, steps.empty() ? caches[i] : CacheView{},
+                 pos, mp, S, cp, sp, out_rows[i], steps.empty() ? nullptr : &steps[i]);
+  });
+  if (!keep) return {outs.select(0, (stop - 1) % 2)};
+  std::vector<torch::Tensor> all;
+  for (int64_t i = 0; i < stop; ++i) all.push_back(outs.select(0, i));
+  return all;
+}
+
 // Blocks 0..stop-1 of a stack over the same rows, one after another: block_forward's work for each, in one call and
 // one team (see Team). Why: a one-token SmolLM2 step spent ~60 us of Python per block around block_forward (the
 // checks, the module call, finding the block's weights): ~1.8 ms of a ~8 ms step, during which a second thread only
@@ -464,37 +527,8 @@ std::vector<torch::Tensor> stack_forward(const BlockStack& stack, torch::Tensor 
   TORCH_CHECK(k_all.dim() == 5 && k_all.size(0) >= stop && v_all.sizes() == k_all.sizes() &&
                   k_all.strides() == v_all.strides(),
               "k_all, v_all: [layers, 1, KVH, capacity, D], the same strides");
-  const BlockWeights& w0 = stack.blocks[0];
-  check_pass(w0, x, k_all.select(0, 0), v_all.select(0, 0), pos, mask, cos, sin);
-  const int64_t T = x.size(0), d = x.size(1), S = mask.size(1);
-  for (int64_t i = 0; i < stop; ++i) {
-    const BlockWeights& w = stack.blocks[i];
-    TORCH_CHECK(w.kv_heads == w0.kv_heads && w.head_dim == w0.head_dim, "blocks of one head shape");
-    rows_for(w, T);  // grown to the largest block first: the pointers taken below then hold for every block
-  }
-  const Rows rows = rows_for(w0, T);
-  std::vector<CacheView> caches;
-  for (int64_t i = 0; i < stop; ++i) caches.push_back(cache_view(k_all.select(0, i), v_all.select(0, i)));
-  // every block's output (keep), or two buffers taken in turn: a block reads its input until its last step
-  auto outs = torch::empty({keep ? stop : std::min<int64_t>(stop, 2), T, d}, x.options());
-  const auto out_of = [&](int64_t i) {
-    return reinterpret_cast<uint16_t*>(outs.select(0, keep ? i : i % 2).data_ptr<at::BFloat16>());
-  };
-  std::vector<uint16_t*> out_rows;
-  for (int64_t i = 0; i < stop; ++i) out_rows.push_back(out_of(i));
-  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  const auto* cp = reinterpret_cast<const uint16_t*>(cos.data_ptr<at::BFloat16>());
-  const auto* sp = reinterpret_cast<const uint16_t*>(sin.data_ptr<at::BFloat16>());
-  const bool* mp = mask.data_ptr<bool>();
-  in_team([&](const Team& team) {
-    for (int64_t i = 0; i < stop; ++i)
-      block_rows(team, stack.blocks[i], rows, i == 0 ? xp : out_rows[i - 1], T, caches[i], pos, mp, S, cp, sp,
-                 out_rows[i]);
-  });
-  if (!keep) return {outs.select(0, (stop - 1) % 2)};
-  std::vector<torch::Tensor> all;
-  for (int64_t i = 0; i < stop; ++i) all.push_back(outs.select(0, i));
-  return all;
+  check_pass(stack.blocks[0], x, k_all.select(0, 0), v_all.select(0, 0), pos, mask, cos, sin);
+  return run_stack(stack, x, k_all, v_all, pos, mask, cos, sin, stop, keep, {});
 }
 
 // A greedy pass in one call: the rows' embeddings (`tokens`, rows of `embed` [vocab, d] bfloat16), every block of
@@ -505,18 +539,12 @@ std::vector<torch::Tensor> stack_forward(const BlockStack& stack, torch::Tensor 
 // ~50 against ~6, the argmax ~50 against ~17 (experiments/cold_ops.py). A `vanilla` step or a verify pass paid four
 // or five such ops around its kernels. mask, cos, sin and the cache as stack_forward takes them. Returns each row's
 // token and the rows' final states [T, d] (before the norm: what the drafters seed from).
-std::tuple<std::vector<int64_t>, torch::Tensor> greedy_pass(const BlockStack& stack, const Linear& head,
-                                                            torch::Tensor norm_w, double eps, torch::Tensor embed,
-                                                            const std::vector<int64_t>& tokens, torch::Tensor k_all,
-                                                            torch::Tensor v_all, int64_t pos, torch::Tensor mask,
-                                                            torch::Tensor cos, torch::Tensor sin) {
-  const int64_t T = static_cast<int64_t>(tokens.size()), d = stack.blocks[0].attn_norm.numel(), V = head.out;
+// The rows' embeddings (`tokens`, rows of `embed` [vocab, d] bfloat16): a greedy pass's or step's first work.
+static torch::Tensor embed_rows(const torch::Tensor& embed, const std::vector<int64_t>& tokens, int64_t d) {
+  const int64_t T = static_cast<int64_t>(tokens.size());
   TORCH_CHECK(T >= 1, "a pass needs at least one row");
   TORCH_CHECK(embed.dim() == 2 && embed.size(1) == d && embed.scalar_type() == at::kBFloat16 && embed.is_contiguous(),
               "embed: contiguous bfloat16 [vocab, d]");
-  TORCH_CHECK(norm_w.scalar_type() == at::kBFloat16 && norm_w.is_contiguous() && norm_w.numel() == d,
-              "norm weight: contiguous bfloat16 [d]");
-  TORCH_CHECK(head.in == d && !head.bias.defined(), "head: d -> V, no bias");
   auto x = torch::empty({T, d}, embed.options());
   const auto* ep = reinterpret_cast<const uint16_t*>(embed.data_ptr<at::BFloat16>());
   auto* xp = reinterpret_cast<uint16_t*>(x.data_ptr<at::BFloat16>());
@@ -524,14 +552,85 @@ std::tuple<std::vector<int64_t>, torch::Tensor> greedy_pass(const BlockStack& st
     TORCH_CHECK(tokens[i] >= 0 && tokens[i] < embed.size(0), "token id out of the vocabulary");
     std::memcpy(xp + i * d, ep + tokens[i] * d, d * 2);
   }
-  torch::Tensor h = stack_forward(stack, x, k_all, v_all, pos, mask, cos, sin,
-                                  static_cast<int64_t>(stack.blocks.size()), false)[0];
+  return x;
+}
+
+// The final RMSNorm (`norm_w`), the LM head (`head`) and each row's argmax over the stack's outputs h [T, d]: a greedy
+// pass's or step's last work.
+static std::vector<int64_t> greedy_rows(const torch::Tensor& h, const torch::Tensor& norm_w, double eps, const Linear& head) {
+  const int64_t T = h.size(0), d = h.size(1), V = head.out;
+  TORCH_CHECK(norm_w.scalar_type() == at::kBFloat16 && norm_w.is_contiguous() && norm_w.numel() == d,
+              "norm weight: contiguous bfloat16 [d]");
+  TORCH_CHECK(head.in == d && !head.bias.defined(), "head: d -> V, no bias");
   std::vector<uint16_t> hn(T * d), logits(T * V);
   rms_norm_rows(h.data_ptr<at::BFloat16>(), norm_w.data_ptr<at::BFloat16>(), T, d, static_cast<float>(eps), hn.data());
   head.run(hn.data(), T, logits.data());
   std::vector<int64_t> out(T);
   for (int64_t i = 0; i < T; ++i) out[i] = argmax_bf16(logits.data() + i * V, V);
-  return {out, h};
+  return out;
+}
+
+std::tuple<std::vector<int64_t>, torch::Tensor> greedy_pass(const BlockStack& stack, const Linear& head,
+                                                            torch::Tensor norm_w, double eps, torch::Tensor embed,
+                                                            const std::vector<int64_t>& tokens, torch::Tensor k_all,
+                                                            torch::Tensor v_all, int64_t pos, torch::Tensor mask,
+                                                            torch::Tensor cos, torch::Tensor sin) {
+  const torch::Tensor x = embed_rows(embed, tokens, stack.blocks[0].attn_norm.numel());
+  torch::Tensor h = stack_forward(stack, x, k_all, v_all, pos, mask, cos, sin,
+                                  static_cast<int64_t>(stack.blocks.size()), false)[0];
+  return {greedy_rows(h, norm_w, eps, head), h};
+}
+
+// A batched greedy decoding step in one call: one new token of each of several sequences (`tokens`), sequence t's
+// cache ks[t], vs[t] [layers, 1, KVH, capacity_t, D] (lone or lent by a pool; bfloat16 or float32), written at its
+// slot slots[t] (its length) and attending, as its lone step does, the first capacity_t slots as its row of mask
+// [T, S] marks (its own 0..slots[t]; S the widest capacity); cos, sin [T, D] each row's rotation. Returns each row's
+// greedy token and the rows' final states [T, d]: row t has the bits of that sequence's lone greedy_pass (its linears
+// are row-invariant, its attention reads its own keys; tested). Why: through the per-op path a batched step cost
+// ~1.5 ms a row at 32 sequences (step_rows and the head), so distillation and the server's batches ran well below
+// what the machine's rows cost.
+std::tuple<std::vector<int64_t>, torch::Tensor> greedy_steps(const BlockStack& stack, const Linear& head,
+                                                             torch::Tensor norm_w, double eps, torch::Tensor embed,
+                                                             const std::vector<int64_t>& tokens,
+                                                             const std::vector<torch::Tensor>& ks,
+                                                             const std::vector<torch::Tensor>& vs,
+                                                             const std::vector<int64_t>& slots, torch::Tensor mask,
+                                                             torch::Tensor cos, torch::Tensor sin) {
+  const BlockWeights& w0 = stack.blocks[0];
+  const int64_t T = static_cast<int64_t>(tokens.size()), n = static_cast<int64_t>(stack.blocks.size());
+  const torch::Tensor x = embed_rows(embed, tokens, w0.attn_norm.numel());
+  TORCH_CHECK(static_cast<int64_t>(ks.size()) == T && static_cast<int64_t>(vs.size()) == T &&
+                  static_cast<int64_t>(slots.size()) == T,
+              "one cache and one slot a row");
+  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.is_contiguous() && mask.dim() == 2 && mask.size(0) == T,
+              "mask: contiguous bool [T, S]");
+  std::vector<int64_t> keys(T);
+  for (int64_t t = 0; t < T; ++t) {
+    const torch::Tensor &k = ks[t], &v = vs[t];
+    TORCH_CHECK(k.dim() == 5 && k.size(0) >= n && k.size(1) == 1 && v.sizes() == k.sizes() && k.strides() == v.strides(),
+                "a row's cache: k, v [layers, 1, KVH, capacity, D], the same strides");
+    check_cache(k.select(0, 0), v.select(0, 0), w0.kv_heads, w0.head_dim);
+    keys[t] = k.size(3);
+    TORCH_CHECK(keys[t] <= mask.size(1) && slots[t] >= 0 && slots[t] < keys[t], "a row's slot past its cache");
+    for (int64_t u = 0; u < t; ++u) TORCH_CHECK(ks[u].data_ptr() != k.data_ptr(), "two rows of one sequence");
+  }
+  TORCH_CHECK(cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16 && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.size(0) == T && cos.size(1) == w0.head_dim && sin.sizes() == cos.sizes(),
+              "cos, sin: contiguous bfloat16 [T, D]");
+  std::vector<CacheView> views(n * T);  // layer i's caches of the rows at views[i * T ..], offset (no tensor a view)
+  for (int64_t t = 0; t < T; ++t) {
+    const CacheView first = cache_view(ks[t].select(0, 0), vs[t].select(0, 0));
+    const int64_t kl = ks[t].stride(0) * first.el, vl = vs[t].stride(0) * first.el;
+    for (int64_t i = 0; i < n; ++i) {
+      views[i * T + t] = first;
+      views[i * T + t].k += i * kl;
+      views[i * T + t].v += i * vl;
+    }
+  }
+  std::vector<Steps> steps;
+  for (int64_t i = 0; i < n; ++i) steps.push_back(Steps{views.data() + i * T, slots.data(), keys.data()});
+  torch::Tensor h = run_stack(stack, x, ks[0], vs[0], 0, mask, cos, sin, n, false, steps)[0];
+  return {greedy_rows(h, norm_w, eps, head), h};
 }
 
 // What one draft level reads besides its rows: the fast block, the fuse ([h | e | token taps] -> d), the draft head
@@ -787,6 +886,7 @@ void bind_block(pybind11::module& m) {
   m.def("make_stack", &make_stack, "a model's blocks for stack_forward");
   m.def("stack_forward", &stack_forward, "blocks 0..stop-1 over a few rows, block_forward's bits, in one call");
   m.def("greedy_pass", &greedy_pass, "embeddings, every block, the norm, the LM head and each row's argmax, in one call");
+  m.def("greedy_steps", &greedy_steps, "a batched greedy step of several sequences of one cache, in one call");
   pybind11::class_<Linear>(m, "PackedLinearWeights", pybind11::module_local());
   m.def("make_linear", &make_linear, "a packed linear layer's weights for draft_level");
   m.def("draft_level", &draft_level, "one greedy draft level of a one-layer seeded fast stream (token taps: the base's first blocks too)");

@@ -329,9 +329,15 @@ class Scheduler:
     def _batched_step(self, jobs: list[Job]) -> None:
         model = self.model
         caches = [j.cache for j in jobs]
-        hidden = model.step_rows([j.tok for j in jobs], caches)  # type: ignore[arg-type]
-        # greedy rows: each row's lone-step argmax at one head's cost; sampled rows: their one-row logits
-        greedy_ids = head_argmax(model, hidden[:, 0]).tolist() if any(j.gen.greedy for j in jobs) else []
+        tokens = [j.tok for j in jobs]
+        # all greedy: one C++ call for the step and the argmax where the kernel has it (each row a lone step's bits)
+        fused = model.greedy_steps(tokens, caches) if all(j.gen.greedy for j in jobs) else None  # type: ignore[arg-type]
+        if fused is not None:
+            greedy_ids, hidden = fused
+        else:
+            hidden = model.step_rows(tokens, caches)  # type: ignore[arg-type]
+            # greedy rows: each row's lone-step argmax at one head's cost; sampled rows: their one-row logits
+            greedy_ids = head_argmax(model, hidden[:, 0]).tolist() if any(j.gen.greedy for j in jobs) else []
         self.counts["batched_steps"] += 1
         self.counts["peak_batch"] = max(self.counts["peak_batch"], len(jobs))
         for b, job in enumerate(jobs):

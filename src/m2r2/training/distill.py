@@ -1,10 +1,11 @@
 """Self-distillation data: training prompts answered by the base model itself.
 
 The fast stream must learn the distribution it will later draft, so its training text is the
-base model's own (greedy) answers. Generation is batched (left padding, masked pad keys, and
-finished rows dropped from the batch) because a 1-row decode step leaves most of a CPU's matmul
-throughput unused. Output is one JSONL line per answer, flushed per batch; a rerun skips ids
-already written, so an interrupted run resumes where it stopped. Eval sets are refused by path.
+base model's own (greedy) answers, bit for bit those plain decoding gives. Generation is batched
+(continuous batching over pooled caches, :func:`answer_stream`) because a 1-row decode step leaves
+most of a CPU's matmul throughput unused. Output is one JSONL line per answer, written as it
+finishes; a rerun skips ids already written, so an interrupted run resumes where it stopped. Eval
+sets are refused by path.
 """
 
 from __future__ import annotations
@@ -19,8 +20,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from m2r2.cache import KVCache, KVPool
+from m2r2.decoding.base import cache_capacity, check_prompt
 from m2r2.errors import InputError, SettingsError
-from m2r2.model import Transformer
+from m2r2.kernels import head_argmax
+from m2r2.model import ROW_INVARIANT_MAX_ROWS, Transformer
 from m2r2.paths import load_distilled, refuse_eval  # noqa: F401 (load_distilled: re-exported)
 
 #: Sampling weights per source: math (gsm8k) and code make up ~68% of the raw file, so they are
@@ -69,48 +73,59 @@ def rebalance(items: list[dict[str, Any]], weights: dict[str, float] | None = No
 
 
 @torch.inference_mode()
-def generate_batch(model: Transformer, prompts: list[list[int]], max_new: int, eos_ids: list[int]) -> list[list[int]]:
-    """Greedy answers for several prompts at once (left-padded; pads masked out of attention).
+def answer_stream(
+    model: Transformer, prompts: list[list[int]], max_new: int, eos_ids: list[int], live: int = 32
+) -> Iterator[tuple[int, list[int]]]:
+    """Greedy answers of ``prompts`` as they finish, ``(index, answer)``: up to ``live`` sequences decode together,
+    each in its own cache of one pool, and a finished one's place goes to the next prompt at once (continuous
+    batching: no batch waits for its longest answer).
 
-    RoPE is relative, so shifting a prompt right by its padding leaves its attention scores
-    unchanged; pad queries attend only to themselves so no row of the mask is empty.
-    """
-    dev = model.device
-    b, plen = len(prompts), max(len(p) for p in prompts)
-    ids = torch.zeros(b, plen, dtype=torch.long, device=dev)
-    valid = torch.ones(b, plen + max_new, dtype=torch.bool, device=dev)
-    for i, p in enumerate(prompts):
-        ids[i, plen - len(p) :] = torch.tensor(p, device=dev)
-        valid[i, : plen - len(p)] = False
-    cache = model.new_cache(plen + max_new, batch=b)
-    rows = torch.arange(b, device=dev)  # original row of each live batch row
-    out: list[list[int]] = [[] for _ in range(b)]
-    eos = torch.tensor(eos_ids or [-1], device=dev)
-    x, pos = ids, 0
-    for _ in range(max_new):
-        t = x.shape[1]
-        keys = torch.arange(pos + t, device=dev)
-        causal = keys[None, :] <= torch.arange(pos, pos + t, device=dev)[:, None]
-        self_key = keys[None, :] == torch.arange(pos, pos + t, device=dev)[:, None]
-        mask = (causal & valid[rows, None, : pos + t]) | self_key
-        cos, sin = model.rope(pos, t, model.dtype)
-        h = model.embed_tokens(x)
-        for li, layer in enumerate(model.layers):
-            h = layer(h, cos, sin, cache, li, pos, mask[:, None])
-        nxt = model.head(h[:, -1]).argmax(-1)
-        pos += t
-        done = torch.isin(nxt, eos)
-        for r, tok, d in zip(rows.tolist(), nxt.tolist(), done.tolist(), strict=True):
-            if not d:
-                out[r].append(tok)
-        keep = ~done
-        if not bool(keep.any()):
-            break
-        if not bool(keep.all()):  # drop finished rows: no compute is spent on them any more
-            cache.k, cache.v = cache.k[:, keep], cache.v[:, keep]
-            rows, nxt = rows[keep], nxt[keep]
-        x = nxt[:, None]
-    return out
+    Each answer is the one plain greedy decoding gives (`vanilla`'s, bit for bit): a prompt is prefilled alone as
+    every method prefills it, and each batched step gives every row its lone step's bits
+    (:meth:`Transformer.greedy_steps`, one C++ call, where the kernel has it; else :meth:`Transformer.step_rows` and
+    the head). The stream is trained on these answers and seeded by these states at inference."""
+    eos, ctx = set(eos_ids), model.cfg.max_position_embeddings
+    pool = KVPool(model.cfg, live, model.dtype, model.device)  # stored as decoding stores them
+    todo = iter(enumerate(prompts))
+    seqs: list[tuple[int, KVCache, list[int], int]] = []  # (prompt index, cache, answer so far, its budget)
+    while True:
+        while len(seqs) < live and (nxt := next(todo, None)) is not None:
+            i, prompt = nxt
+            check_prompt(prompt, ctx)
+            budget = min(max_new, ctx - len(prompt))
+            cache = pool.take(cache_capacity(len(prompt), budget, ctx))  # the capacity plain decoding gives it
+            logits = model(torch.tensor([prompt], device=model.device), cache, 0, last_only=True)
+            tok = int(logits[0, -1].argmax())
+            if tok in eos:
+                pool.give(cache)
+                yield i, []
+            else:
+                seqs.append((i, cache, [tok], budget))
+        if not seqs:
+            return
+        done = [q for q in seqs if len(q[2]) >= q[3]]
+        stepping = [q for q in seqs if len(q[2]) < q[3]]
+        for part in [stepping[j : j + ROW_INVARIANT_MAX_ROWS] for j in range(0, len(stepping), ROW_INVARIANT_MAX_ROWS)]:
+            toks, caches = [q[2][-1] for q in part], [q[1] for q in part]
+            fused = model.greedy_steps(toks, caches)
+            picks = fused[0] if fused is not None else head_argmax(model, model.step_rows(toks, caches)[:, 0]).tolist()
+            for q, tok in zip(part, picks, strict=True):
+                if tok in eos:
+                    done.append(q)
+                else:
+                    q[2].append(tok)
+        for q in done:
+            seqs.remove(q)
+            pool.give(q[1])
+            yield q[0], q[2]
+
+
+def generate_batch(model: Transformer, prompts: list[list[int]], max_new: int, eos_ids: list[int]) -> list[list[int]]:
+    """Greedy answers for several prompts at once, in their order (:func:`answer_stream`, all of them live)."""
+    answers: list[list[int]] = [[] for _ in prompts]
+    for i, answer in answer_stream(model, prompts, max_new, eos_ids, live=max(1, len(prompts))):
+        answers[i] = answer
+    return answers
 
 
 @dataclass
@@ -133,17 +148,6 @@ def done_ids(out: Path) -> set[str]:
         data = data[: data.rfind(b"\n") + 1]
         out.write_bytes(data)
     return {json.loads(line)["id"] for line in data.decode().splitlines() if line.strip()}
-
-
-def _batches(
-    todo: list[tuple[dict[str, Any], list[int]]], size: int
-) -> Iterator[list[tuple[dict[str, Any], list[int]]]]:
-    # Sort each window of 8 batches by prompt length: less padding, order still deterministic.
-    win = size * 8
-    for i in range(0, len(todo), win):
-        chunk = sorted(todo[i : i + win], key=lambda x: len(x[1]))
-        for j in range(0, len(chunk), size):
-            yield chunk[j : j + size]
 
 
 def distill(
@@ -172,15 +176,13 @@ def distill(
         if it["id"] not in seen:
             todo.append((it, ids))
     written, t0 = 0, time.perf_counter()
-    with s.out.open("a") as f:
-        for chunk in _batches(todo, s.batch):
-            answers = generate_batch(model, [p for _, p in chunk], s.max_new_tokens, eos_ids)
-            for (it, p), a in zip(chunk, answers, strict=True):
-                rec = {"id": it["id"], "source": it["source"], "prompt_ids": p, "answer_ids": a}
-                f.write(json.dumps(rec) + "\n")
+    with s.out.open("a") as f:  # each answer as it finishes, a whole line at a time (done_ids cuts a torn one)
+        for i, answer in answer_stream(model, [p for _, p in todo], s.max_new_tokens, eos_ids, s.batch):
+            it, p = todo[i]
+            f.write(json.dumps({"id": it["id"], "source": it["source"], "prompt_ids": p, "answer_ids": answer}) + "\n")
             f.flush()
-            written += len(chunk)
-            if progress is not None:
+            written += 1
+            if progress is not None and (written % s.batch == 0 or written == len(todo)):
                 progress(len(seen) + written, kept, time.perf_counter() - t0)
     return written
 
