@@ -66,14 +66,19 @@ def git_commit() -> str:
 PATH_SWITCHES = ("M2R2_NO_GREEDY_PASS", "M2R2_NO_FUSED", "M2R2_NO_AMX")
 
 
+def stamp(command: str | None = None) -> dict[str, str]:
+    """The commit a run measured and the command that reruns it (``command``: the CLI's argv; by default this
+    process's), with the path switches set before it."""
+    command = command or shlex.join(["m2r2", *sys.argv[1:]])
+    switches = [f"{k}={shlex.quote(os.environ[k])}" for k in PATH_SWITCHES if os.environ.get(k)]
+    return {"commit": git_commit(), "command": " ".join([*switches, command])}
+
+
 def environment(engine: Engine, settings: BenchSettings | None = None) -> dict[str, Any]:
     """What a reader needs to judge timings and rerun them (hardware, precision, threads, versions,
     commit, command); in every results.json."""
     import transformers
 
-    command = settings.command if settings and settings.command else shlex.join(["m2r2", *sys.argv[1:]])
-    switches = [f"{k}={shlex.quote(os.environ[k])}" for k in PATH_SWITCHES if os.environ.get(k)]
-    command = " ".join([*switches, command])
     return {
         "dtype": engine.dtype_name,
         "kernel": engine.kernel,
@@ -84,8 +89,7 @@ def environment(engine: Engine, settings: BenchSettings | None = None) -> dict[s
         "device": str(engine.device),
         "model": engine.model_dir.name,
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "commit": git_commit(),
-        "command": command,
+        **stamp(settings.command if settings else None),
     }
 
 

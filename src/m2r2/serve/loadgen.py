@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from m2r2.bench.datasets import load_dataset
+from m2r2.bench.results import stamp
 from m2r2.errors import SettingsError
 from m2r2.serve.app import background, build
 
@@ -206,6 +207,7 @@ def _machine(engine: Engine) -> dict[str, Any]:
         "torch_version": torch.__version__,
         "python": platform.python_version(),
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        **stamp(),
     }
 
 
@@ -227,7 +229,7 @@ def markdown(results: dict[str, Any]) -> str:
         f"{r['model']} served by `m2r2 serve` ({r['method']}; {r['dtype']}, kernel {r['kernel']}) on {r['cpu']} "
         f"({r['cores']} cores, {r['threads']} torch threads), torch {r['torch_version']}; streamed greedy chat, "
         f"{r['dataset']} prompts, up to {r['max_new_tokens']} new tokens, {r['requests_per_level']} requests per "
-        f"level; {r['date']}",
+        f"level; {r['date']}; commit {r.get('commit', 'unknown')}; command `{r.get('command', '?')}`",
         "",
         "| streams | requests | tokens/s | vs 1 stream | TTFT p50 ms | TTFT p95 ms | ITL p50 ms | ITL p95 ms | "
         "errors | complete | identical |",
