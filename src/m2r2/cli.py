@@ -718,7 +718,13 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--limit", type=int, default=2000, help="number of prompts to answer (0 = all)")
     d.add_argument("--max-new-tokens", type=int, default=256, help="answer length cap (default 256)")
     d.add_argument("--max-prompt-tokens", type=int, default=384, help="skip longer prompts (default 384)")
-    d.add_argument("--batch", type=int, default=16, help="prompts decoded together (default 16)")
+    d.add_argument(
+        "--batch",
+        type=int,
+        default=16,
+        help="answers decoded together (continuous batching: a finished one's place goes to the next prompt; each "
+        "answer is plain greedy decoding's; default 16)",
+    )
     _add_model_args(d)
     d.set_defaults(func=cmd_distill_data)
 
