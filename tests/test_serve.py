@@ -147,7 +147,7 @@ def test_pooled_step_rows_attend_once_per_size_class_with_lone_step_bits(kernel)
                 h = model.run_layers(model.embed_tokens(torch.tensor([[toks[b]]])), cache, cache.length)
                 assert torch.equal(hidden[b], h[0])
             toks = [int(model.head(hidden[b : b + 1])[0, 0].argmax()) for b in range(len(batch))]
-        for a, b in zip(batch, alone, strict=True):  # (the pool stores float32 where attention computes in it)
+        for a, b in zip(batch, alone, strict=True):  # (the pool stores float32 where attention computes in it per op)
             assert a.length == b.length and torch.equal(a.k, b.k.to(a.k.dtype)) and torch.equal(a.v, b.v.to(a.v.dtype))
 
 
@@ -424,6 +424,35 @@ def test_bundled_model_m2r2_alone_and_batched_together_is_lossless(real_engine_b
     for p, a in zip(prompts, answers, strict=True):
         ids = eng.tokenizer.encode_chat([{"role": "user", "content": p}])
         assert a.choices[0].message.content == solo(eng, ids, 20) == solo(eng, ids, 20, "m2r2")
+
+
+def test_long_contexts_are_served_as_generate_answers_them(real_engine_bf16):
+    """Served alone and batched, prompts of ~600 tokens get ``Engine.generate``'s answer: the pool stores keys as a lone
+    sequence's cache does where the fused blocks run (with float32 pooled caches these two answers differed, the
+    lone ones' attention taking AMX tiles from 448 keys)."""
+    from m2r2.bench.datasets import load_dataset
+
+    eng = real_engine_bf16
+    fused = eng.model.fused_stack() is not None
+    assert (eng.model.new_pool(1).take(64).k.dtype == torch.bfloat16) == fused
+    text = " ".join(p.turns[0] for p in load_dataset("mt_bench", 12).prompts)
+    prompts = [f"Summarise these requests in one paragraph: {text[:n]}" for n in (3000, 3400)]
+    with background(build(eng, "smollm2-135m", "auto", max_batch=2)) as url:
+        c = client(url)
+
+        def ask(p: str) -> str:
+            messages = [{"role": "user", "content": p}]
+            reply = c.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=64)
+            return reply.choices[0].message.content
+
+        alone = [ask(p) for p in prompts]
+        barrier = threading.Barrier(len(prompts))
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            together = list(pool.map(lambda p: (barrier.wait(), ask(p))[1], prompts))
+    for p, a, b in zip(prompts, alone, together, strict=True):
+        ids = eng.tokenizer.encode_chat([{"role": "user", "content": p}])
+        assert len(ids) > 600
+        assert a == b == solo(eng, ids, 64)
 
 
 # --------------------------------------------------------------------------- command line

@@ -692,9 +692,13 @@ class Transformer(Tracked):
         return KVCache(self.cfg, max_len, batch, dtype=self.dtype, device=self.device)
 
     def new_pool(self, items: int) -> KVPool:
-        """Caches for up to ``items`` sequences per capacity that :meth:`step_rows` attends over together
-        (stored in float32 where attention computes in float32)."""
-        store = torch.float32 if attends_in_float32(self.dtype, self.device) else None
+        """Caches for up to ``items`` sequences per capacity that a batched step attends over together: stored in
+        float32 where attention computes in float32 op by op, but as a lone sequence's cache stores them (the
+        model's dtype) where the fused C++ blocks run the passes. Why: there a bfloat16 cache's attention takes AMX
+        tiles from 448 keys, whose sums a float32 cache does not take, and a served request's answer left the lone
+        one's from ~600-token contexts (four MT-Bench-built prompts of 438-622 tokens: the two longest differed)."""
+        fused = self.fused_stack() is not None
+        store = torch.float32 if attends_in_float32(self.dtype, self.device) and not fused else None
         return KVPool(self.cfg, items, self.dtype, self.device, store)
 
     def rope(self, pos: int, length: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
