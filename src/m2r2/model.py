@@ -696,7 +696,8 @@ class Transformer(Tracked):
         float32 where attention computes in float32 op by op, but as a lone sequence's cache stores them (the
         model's dtype) where the fused C++ blocks run the passes. Why: there a bfloat16 cache's attention takes AMX
         tiles from 448 keys, whose sums a float32 cache does not take, and a served request's answer left the lone
-        one's from ~600-token contexts (four MT-Bench-built prompts of 438-622 tokens: the two longest differed)."""
+        one's from ~600-token contexts (``experiments/serve_long_contexts.py``: of four prompts of 438-622 tokens, the
+        two longest)."""
         fused = self.fused_stack() is not None
         store = torch.float32 if attends_in_float32(self.dtype, self.device) and not fused else None
         return KVPool(self.cfg, items, self.dtype, self.device, store)
