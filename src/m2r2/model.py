@@ -889,7 +889,8 @@ class Transformer(Tracked):
 
         Row b has the bits of sequence b's lone :meth:`greedy_pass` step (tested): its linears are row-invariant up to
         that many rows, its attention reads its own keys under its lone step's mask. Why: through :meth:`step_rows`
-        and the head a batched step of 32 sequences cost ~1.5 ms a row here, ~0.7 in one call."""
+        and the head a batched step cost 2.3-2.7x the one call's time at 2-4 sequences and ~1.6 ms a row against
+        ~1.2 at 32 (``experiments/batched_steps.py``)."""
         if not GREEDY_PASS or not caches or len(caches) > ROW_INVARIANT_MAX_ROWS or torch.is_grad_enabled():
             return None
         if any(c.k.shape[1] != 1 or c.length >= c.max_len for c in caches):

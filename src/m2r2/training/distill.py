@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from m2r2.cache import KVCache, KVPool
-from m2r2.decoding.base import cache_capacity, check_prompt
+from m2r2.decoding.base import GenerationConfig, Stopper, begin
 from m2r2.errors import InputError, SettingsError
 from m2r2.kernels import head_argmax
 from m2r2.model import ROW_INVARIANT_MAX_ROWS, Transformer
@@ -84,40 +84,29 @@ def answer_stream(
     every method prefills it, and each batched step gives every row its lone step's bits
     (:meth:`Transformer.greedy_steps`, one C++ call, where the kernel has it; else :meth:`Transformer.step_rows` and
     the head). The stream is trained on these answers and seeded by these states at inference."""
-    eos, ctx = set(eos_ids), model.cfg.max_position_embeddings
+    gen = GenerationConfig(max_new_tokens=max_new)
     pool = KVPool(model.cfg, live, model.dtype, model.device)  # stored as decoding stores them
     todo = iter(enumerate(prompts))
-    seqs: list[tuple[int, KVCache, list[int], int]] = []  # (prompt index, cache, answer so far, its budget)
+    seqs: list[tuple[int, KVCache, Stopper]] = []  # (prompt index, cache, its tokens and where they end)
     while True:
         while len(seqs) < live and (nxt := next(todo, None)) is not None:
-            i, prompt = nxt
-            check_prompt(prompt, ctx)
-            budget = min(max_new, ctx - len(prompt))
-            cache = pool.take(cache_capacity(len(prompt), budget, ctx))  # the capacity plain decoding gives it
-            logits = model(torch.tensor([prompt], device=model.device), cache, 0, last_only=True)
-            tok = int(logits[0, -1].argmax())
-            if tok in eos:
-                pool.give(cache)
-                yield i, []
-            else:
-                seqs.append((i, cache, [tok], budget))
+            i, prompt = nxt  # prefilled, at the capacity and with the stopping rules, as every method starts
+            _, stopper, cache, logits = begin(model, prompt, gen, eos_ids, None, new_cache=pool.take)
+            stopper.push([int(logits[0, -1].argmax())])
+            seqs.append((i, cache, stopper))
         if not seqs:
             return
-        done = [q for q in seqs if len(q[2]) >= q[3]]
-        stepping = [q for q in seqs if len(q[2]) < q[3]]
+        stepping = [q for q in seqs if not q[2].done]
         for part in [stepping[j : j + ROW_INVARIANT_MAX_ROWS] for j in range(0, len(stepping), ROW_INVARIANT_MAX_ROWS)]:
-            toks, caches = [q[2][-1] for q in part], [q[1] for q in part]
+            toks, caches = [q[2].tokens[-1] for q in part], [q[1] for q in part]
             fused = model.greedy_steps(toks, caches)
             picks = fused[0] if fused is not None else head_argmax(model, model.step_rows(toks, caches)[:, 0]).tolist()
             for q, tok in zip(part, picks, strict=True):
-                if tok in eos:
-                    done.append(q)
-                else:
-                    q[2].append(tok)
-        for q in done:
+                q[2].push([tok])
+        for q in [q for q in seqs if q[2].done]:
             seqs.remove(q)
             pool.give(q[1])
-            yield q[0], q[2]
+            yield q[0], q[2].tokens
 
 
 def generate_batch(model: Transformer, prompts: list[list[int]], max_new: int, eos_ids: list[int]) -> list[list[int]]:
