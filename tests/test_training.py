@@ -150,6 +150,17 @@ def test_distill_rebalances_resumes_and_refuses_eval(tmp_path):
     assert distill(model, encode, [], s) == 2
     recs = [json.loads(x) for x in out.read_text().splitlines()]
     assert sorted(r["id"] for r in recs) == ["0", "1", "2", "3", "4"]
+    # a time budget stops after the first answer written past it; a rerun goes on where it stopped
+    budget = DistillSettings(
+        prompts=prompts, out=tmp_path / "b.jsonl", limit=5, max_new_tokens=4, batch=2, minutes=1e-9
+    )
+    assert distill(model, encode, [], budget) == 1
+    assert distill(model, encode, [], budget) == 1
+    budget.minutes = 0.0
+    assert distill(model, encode, [], budget) == 3
+    assert sorted(json.loads(x)["id"] for x in budget.out.read_text().splitlines()) == ["0", "1", "2", "3", "4"]
+    with pytest.raises(SettingsError, match="minutes"):
+        distill(model, encode, [], DistillSettings(prompts=prompts, out=out, minutes=-1))
     # batched answers equal one-by-one greedy answers
     solo = {r["id"]: generate_batch(model, [r["prompt_ids"]], 4, [])[0] for r in recs}
     assert all(r["answer_ids"] == solo[r["id"]] for r in recs)

@@ -360,6 +360,7 @@ def cmd_distill_data(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         max_prompt_tokens=args.max_prompt_tokens,
         batch=args.batch,
+        minutes=args.minutes,
     )
 
     def progress(done: int, total: int, secs: float) -> None:
@@ -718,6 +719,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--limit", type=int, default=2000, help="number of prompts to answer (0 = all)")
     d.add_argument("--max-new-tokens", type=int, default=256, help="answer length cap (default 256)")
     d.add_argument("--max-prompt-tokens", type=int, default=384, help="skip longer prompts (default 384)")
+    d.add_argument(
+        "--minutes",
+        type=float,
+        default=0.0,
+        help="stop after this many minutes of this run (0 = none; the answers in flight are dropped, a rerun resumes)",
+    )
     d.add_argument(
         "--batch",
         type=int,

@@ -595,12 +595,8 @@ class Block(Tracked):
             return kept[1]
         lins = (self.attn.wqkv, self.attn.wo, getattr(self.mlp, "w13", None), getattr(self.mlp, "w2", None))
         weights = None
-        ext = amx.avx2_extension()
-        if (
-            ext is not None
-            and hasattr(ext, "block_forward")
-            and amx.row_helpers() is ext
-            and isinstance(self.mlp, MLP)
+        applies = (  # checked before the build is asked for: a model on other kernels (a GPU's) never builds it
+            isinstance(self.mlp, MLP)
             and self.attn.q_norm is None
             and self.attn.clip is None
             and self.attn.head_dim % 16 == 0
@@ -608,7 +604,9 @@ class Block(Tracked):
             and self.mlp_norm.weight.dtype == torch.bfloat16
             and all(getattr(lin, "op", None) in AVX2_OPS and getattr(lin, "products", None) == "avx2" for lin in lins)
             and all(lin.bias is None or lin.bias.dtype == torch.bfloat16 for lin in lins)  # type: ignore[union-attr]
-        ):
+        )
+        ext = amx.avx2_extension() if applies else None
+        if ext is not None and hasattr(ext, "block_forward") and amx.row_helpers() is ext:
             none = torch.empty(0)
             weights = ext.make_block(
                 self.attn_norm.weight.detach().contiguous(),
@@ -750,10 +748,10 @@ class Transformer(Tracked):
             stack = kept[2]
         else:
             weights = [b.fused() for b in blocks]  # type: ignore[operator]
-            ext = amx.avx2_extension()
             stack = None
-            if weights and all(w is not None for w in weights) and hasattr(ext, "make_stack"):
-                stack = ext.make_stack(weights)  # type: ignore[union-attr]
+            if weights and all(w is not None for w in weights):  # else nothing to build the extension for (a GPU)
+                ext = amx.avx2_extension()
+                stack = ext.make_stack(weights) if hasattr(ext, "make_stack") else None  # type: ignore[union-attr]
         self.__dict__["_stack"] = (version, key, stack)
         return stack
 
@@ -833,7 +831,7 @@ class Transformer(Tracked):
         version = Structure.version
         stack = self.fused_stack()
         head, norm = self.lm_head, self.norm
-        ext = amx.avx2_extension()
+        ext = amx.avx2_extension() if stack is not None else None
         parts = None
         if (
             stack is not None

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,7 +74,7 @@ def rebalance(items: list[dict[str, Any]], weights: dict[str, float] | None = No
 
 @torch.inference_mode()
 def answer_stream(
-    model: Transformer, prompts: list[list[int]], max_new: int, eos_ids: list[int], live: int = 32
+    model: Transformer, prompts: Iterable[list[int]], max_new: int, eos_ids: list[int], live: int = 32
 ) -> Iterator[tuple[int, list[int]]]:
     """Greedy answers of ``prompts`` as they finish, ``(index, answer)``: up to ``live`` sequences decode together,
     each in its own cache of one pool, and a finished one's place goes to the next prompt at once (continuous
@@ -83,7 +83,9 @@ def answer_stream(
     Each answer is the one plain greedy decoding gives (`vanilla`'s, bit for bit): a prompt is prefilled alone as
     every method prefills it, and each batched step gives every row its lone step's bits
     (:meth:`Transformer.greedy_steps`, one C++ call, where the kernel has it; else :meth:`Transformer.step_rows` and
-    the head). The stream is trained on these answers and seeded by these states at inference."""
+    the head). The stream is trained on these answers and seeded by these states at inference. Off the CPU (a GPU)
+    every live sequence steps in one call: a GPU's kernels give no row a lone step's bits anyway, and parts of 32 would
+    multiply its kernel launches (not measured: no GPU was lent)."""
     gen = GenerationConfig(max_new_tokens=max_new)
     pool = KVPool(model.cfg, live, model.dtype, model.device)  # stored as decoding stores them
     todo = iter(enumerate(prompts))
@@ -97,7 +99,8 @@ def answer_stream(
         if not seqs:
             return
         stepping = [q for q in seqs if not q[2].done]
-        for part in [stepping[j : j + ROW_INVARIANT_MAX_ROWS] for j in range(0, len(stepping), ROW_INVARIANT_MAX_ROWS)]:
+        size = ROW_INVARIANT_MAX_ROWS if model.device.type == "cpu" else max(1, len(stepping))
+        for part in [stepping[j : j + size] for j in range(0, len(stepping), size)]:
             toks, caches = [q[2].tokens[-1] for q in part], [q[1] for q in part]
             fused = model.greedy_steps(toks, caches)
             picks = fused[0] if fused is not None else head_argmax(model, model.step_rows(toks, caches)[:, 0]).tolist()
@@ -125,6 +128,8 @@ class DistillSettings:
     max_new_tokens: int = 256
     max_prompt_tokens: int = 384
     batch: int = 16
+    #: stop after the first answer written past this many minutes of the run (0 = no budget); a rerun resumes
+    minutes: float = 0.0
     weights: dict[str, float] = field(default_factory=lambda: dict(SOURCE_WEIGHTS))
 
 
@@ -146,33 +151,44 @@ def distill(
     s: DistillSettings,
     progress: Callable[[int, int, float], None] | None = None,
 ) -> int:
-    """Answer ``s.limit`` rebalanced prompts into ``s.out`` (append-only); returns answers written now."""
-    if s.batch < 1 or s.max_new_tokens < 1 or s.limit < 0:
-        raise SettingsError("batch and max_new_tokens must be >= 1, limit >= 0")
+    """Answer ``s.limit`` rebalanced prompts into ``s.out`` (append-only); returns answers written now. Prompts are
+    tokenized as decoding reaches them (a run with a minutes' budget over 20k prompts starts at once)."""
+    if s.batch < 1 or s.max_new_tokens < 1 or s.limit < 0 or s.minutes < 0:
+        raise SettingsError("batch and max_new_tokens must be >= 1, limit and minutes >= 0")
     refuse_eval(s.out)
     items = rebalance(read_prompts(s.prompts), s.weights)
     s.out.parent.mkdir(parents=True, exist_ok=True)
     seen = done_ids(s.out)
-    todo: list[tuple[dict[str, Any], list[int]]] = []
-    kept = 0
-    for it in items:
-        if s.limit and kept >= s.limit:
-            break
-        ids = encode_chat([{"role": "user", "content": it["turns"][0]}])
-        if len(ids) > s.max_prompt_tokens:
-            continue
-        kept += 1
-        if it["id"] not in seen:
-            todo.append((it, ids))
-    written, t0 = 0, time.perf_counter()
+    total = min(s.limit, len(items)) if s.limit else len(items)  # for progress: prompts over the length cap count
+    todo: list[tuple[dict[str, Any], list[int]]] = []  # prompts handed to decoding, in order
+
+    def pending() -> Iterator[list[int]]:
+        kept = 0
+        for it in items:
+            if s.limit and kept >= s.limit:
+                return
+            ids = encode_chat([{"role": "user", "content": it["turns"][0]}])
+            if len(ids) > s.max_prompt_tokens:
+                continue
+            kept += 1
+            if it["id"] not in seen:
+                todo.append((it, ids))
+                yield ids
+
+    written, over, t0 = 0, False, time.perf_counter()
     with s.out.open("a") as f:  # each answer as it finishes, a whole line at a time (done_ids cuts a torn one)
-        for i, answer in answer_stream(model, [p for _, p in todo], s.max_new_tokens, eos_ids, s.batch):
+        for i, answer in answer_stream(model, pending(), s.max_new_tokens, eos_ids, s.batch):
             it, p = todo[i]
             f.write(json.dumps({"id": it["id"], "source": it["source"], "prompt_ids": p, "answer_ids": answer}) + "\n")
             f.flush()
             written += 1
-            if progress is not None and (written % s.batch == 0 or written == len(todo)):
-                progress(len(seen) + written, kept, time.perf_counter() - t0)
+            over = s.minutes > 0 and time.perf_counter() - t0 >= 60 * s.minutes
+            if progress is not None and (written % s.batch == 0 or over):
+                progress(len(seen) + written, total, time.perf_counter() - t0)
+            if over:  # the answers still being decoded are dropped; a rerun answers them
+                break
+    if progress is not None and written % s.batch and not over:
+        progress(len(seen) + written, total, time.perf_counter() - t0)
     return written
 
 
