@@ -8,9 +8,13 @@ step's own C++ call (`greedy_pass`) timed:
 - ``after X ms of Python``: the interpreter spinning on the clock, no memory traffic to speak of;
 - ``after X ms asleep``: ``time.sleep``.
 
-Why: `m2r2`'s one-row passes took ~0.2-0.3 ms longer than `vanilla`'s in the same run, at the same cache capacity, and
-only where its rounds also verify several rows (with ``answers=none`` nearly every pass has one row, and they cost what
-`vanilla`'s do). A verify pass of K rows costs more than its own time: the pass after it is slower too.
+Why: `m2r2`'s one-row passes took ~0.2 ms longer than `vanilla`'s in the same run, at the same cache capacity (the
+second table). A verify pass of K rows costs more than its own time: the pass after it is slower too, as after any
+gap of the same length.
+
+Then, in real generation, what each method's passes cost by their rows (the same answers, methods taking turns
+prompt by prompt): `vanilla`, `m2r2`, and `m2r2` without the answer store (``answers=none``: fewer of its rounds
+verify several rows).
 
     python experiments/pass_after.py [PROMPTS] [THREADS]
 """
@@ -86,3 +90,27 @@ for what in KINDS:
             "| +0.000 ms", "| -"
         )
     )
+
+Transformer.greedy_pass = step
+by_rows: dict[tuple[str, int], list[float]] = collections.defaultdict(list)
+arm = [""]
+
+
+def timed_step(self, tokens, cache, *args, **kwargs):
+    out = step(self, tokens, cache, *args, **kwargs)
+    by_rows[(arm[0], len(tokens))].append(last_call[0])
+    return out
+
+
+Transformer.greedy_pass = timed_step
+ARMS = {"vanilla": ("vanilla", {}), "m2r2": ("m2r2", {}), "m2r2, answers=none": ("m2r2", {"answers": "none"})}
+for prompt in ids:
+    for name, (method, options) in ARMS.items():
+        arm[0] = name
+        engine.generate_ids(prompt, method, GEN, **options)
+print()
+print("| method | pass rows | passes | mean ms of the C++ call |")
+print("|---|--:|--:|--:|")
+for (name, rows), times in sorted(by_rows.items(), key=lambda kv: (list(ARMS).index(kv[0][0]), kv[0][1])):
+    if rows <= 4:
+        print(f"| {name} | {rows} | {len(times)} | {1000 * sum(times) / len(times):.3f} |")
