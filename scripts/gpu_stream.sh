@@ -80,7 +80,7 @@ device_train() {
   cat "$WORK/gguf.part00" "$PACK/gguf.part01" >"$WORK/model.gguf"
   echo "$(cat "$PACK/gguf.sha256")  $WORK/model.gguf" | sha256sum -c -
   "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$WORK/site" "$PACK"/whl/*.whl
-  export PYTHONPATH="$WORK/site:$ROOT/src" M2R2_CACHE="$WORK/cache" PYTHONUNBUFFERED=1
+  export PYTHONPATH="$WORK/site:$ROOT/src" M2R2_CACHE="${M2R2_GPU_CACHE:-$WORK/cache}" PYTHONUNBUFFERED=1
   local model=(--model "$WORK/model.gguf" --device "$device")
   "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
   SECONDS=0

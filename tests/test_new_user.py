@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -265,3 +266,14 @@ def test_dynamic_suite_default_sweep_is_small_and_honours_dataset() -> None:
     assert ds.suite_datasets(settings) == ["mt_bench"]
     settings.dataset = None
     assert ds.suite_datasets(settings) == list(ds.DATASETS)
+
+
+def test_the_gpu_script_parses_and_names_its_steps() -> None:
+    """`scripts/gpu_stream.sh` is what a session with a lent GPU runs first, with minutes of device time: it must at
+    least parse, and without a step print its calls rather than do anything (its dry run, ~4 minutes, is not a test)."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "gpu_stream.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    out = subprocess.run(["bash", str(script)], capture_output=True, text=True)
+    assert out.returncode == 2
+    for step in ("pack", "slim", "device-load", "device-train", "unslim", "dry-run"):
+        assert f"gpu_stream.sh {step}" in out.stderr
