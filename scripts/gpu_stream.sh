@@ -96,7 +96,7 @@ device_train() {
   cp "$WORK/seeded/adapters.safetensors" "$WORK/seeded/adapters.json" "$out/"
   {
     echo "answers $(wc -l <"$WORK/answers.jsonl") in ${t_distill} s; store ${t_store} s; training $((SECONDS - t_distill - t_store)) s"
-    "$PY" -c "import json; print(json.dumps(json.load(open('$out/adapters.json'))['train'] | {}, indent=1))" | head -60
+    "$PY" -c "import json; print(json.dumps(json.load(open('$out/adapters.json'))['train'], indent=1))" | head -60
   } | tee "$out/summary.txt"
 }
 

@@ -175,19 +175,18 @@ def distill(
                 todo.append((it, ids))
                 yield ids
 
-    written, over, t0 = 0, False, time.perf_counter()
+    written, t0 = 0, time.perf_counter()
     with s.out.open("a") as f:  # each answer as it finishes, a whole line at a time (done_ids cuts a torn one)
         for i, answer in answer_stream(model, pending(), s.max_new_tokens, eos_ids, s.batch):
             it, p = todo[i]
             f.write(json.dumps({"id": it["id"], "source": it["source"], "prompt_ids": p, "answer_ids": answer}) + "\n")
             f.flush()
             written += 1
-            over = s.minutes > 0 and time.perf_counter() - t0 >= 60 * s.minutes
-            if progress is not None and (written % s.batch == 0 or over):
+            if progress is not None and written % s.batch == 0:
                 progress(len(seen) + written, total, time.perf_counter() - t0)
-            if over:  # the answers still being decoded are dropped; a rerun answers them
-                break
-    if progress is not None and written % s.batch and not over:
+            if s.minutes > 0 and time.perf_counter() - t0 >= 60 * s.minutes:
+                break  # the answers still being decoded are dropped; a rerun answers them
+    if progress is not None and written % s.batch:  # the last line, where the loop's was not
         progress(len(seen) + written, total, time.perf_counter() - t0)
     return written
 
