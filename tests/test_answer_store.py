@@ -112,6 +112,12 @@ def test_the_command_builds_a_store_and_refuses_bad_input_before_loading_a_model
     assert main(["answer-store", "--data", missing, "--out", str(out), "--model", "/nonexistent"]) != 0
     err = capsys.readouterr().err.strip()
     assert "cannot read answers" in err and len(err.splitlines()) == 1
+    for n in ("1", "5"):  # every 1st answer held out, or more than there are: refused before the model loads
+        assert main(["answer-store", "--data", str(data), "--calibrate", n, "--out", str(out), "--model", "/x"]) != 0
+        assert "--calibrate" in capsys.readouterr().err
+    assert main(["answer-store", "--data", str(data), "--calibrate", "2", "--out", str(out), "--model", model_dir]) == 0
+    side = json.loads(out.with_suffix(".json").read_text())
+    assert side["config"]["shares"] == "calibrated" and side["calibration"]["held_out_answers"] == 2
 
 
 @pytest.mark.slow
@@ -200,3 +206,48 @@ def test_the_command_counts_a_corpus_and_lays_a_store_over_it(tmp_path, tiny_mod
     only = tmp_path / "corpus-only.safetensors"  # a model with no own answers yet: the corpus alone
     assert main(["answer-store", "--corpus", str(conv), "--out", str(only), "--model", model_dir]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["answers"] == 0
+
+
+def test_calibrated_shares_are_held_out_hit_rates_and_a_rare_ngrams_share_says_less():
+    # counted: (1, 2) followed by 3 in 60 answers; 30 bigrams (100 + k, 200 + k) each followed by 300 + k in two.
+    # Held out (every 10th answer): (1, 2) is still followed by 3, but the rare bigrams' followers only half the time
+    fit = [[1, 2, 3, 4]] * 60 + [[100 + k, 200 + k, 300 + k] for k in range(30) for _ in range(2)]
+    held = [[1, 2, 3, 4]] * 4 + [[100 + k, 200 + k, 300 + k if k % 2 else 999] for k in range(10)]
+    fits, helds = iter(fit), iter(held)
+    answers = [next(helds) if i % 10 == 0 else next(fits) for i in range(len(fit) + len(held))]
+    plain = AnswerStore.build(answers)
+    store, seen = AnswerStore.build_calibrated(answers, every=10)
+    assert store.calibrated and not plain.calibrated
+    # held out: (1, 2) -> 3 and (1, 2, 3) -> 4 four times, all right; a rare bigram's follower ten times, five right
+    assert (seen["held_out_answers"], seen["predicted"], seen["hits"]) == (14, 18, 13)
+    assert sum(c["tries"] for c in seen["cells"]) == 18
+    assert store.entries().keys() == plain.entries().keys()  # the same n-grams and followers: only the shares change
+    assert all(store.entries()[g][0] == plain.entries()[g][0] for g in plain.entries())
+    assert store.get((1, 2)) == plain.get((1, 2)) == (3, 1.0)
+    # a bigram counted twice (none of the held-out ones): 1.0 by its count, (5 + 10 * 1.0) / (10 + 10) held out
+    assert plain.get((115, 215)) == (315, 1.0) and store.get((115, 215)) == (315, round(0.75 * 255) / 255)
+    with pytest.raises(SettingsError, match="every"):
+        AnswerStore.build_calibrated(answers[:5], every=10)
+
+
+def test_a_calibrated_store_round_trips_and_starts_a_sequences_calibration_at_one(tmp_path):
+    model = tiny_model(21)
+    gen = GenerationConfig(max_new_tokens=40)
+    rng = random.Random(1)
+    answers = [Autoregressive(model, []).generate([rng.randrange(64) for _ in range(6)], gen).tokens for _ in range(30)]
+    store, _ = AnswerStore.build_calibrated(answers, every=5)
+    path = save_answer_store(tmp_path / "c", store, "fp-a")
+    back = load_answer_store(path, "fp-a")
+    assert back.calibrated and back.entries() == store.entries()
+    counted = save_answer_store(tmp_path / "p", AnswerStore.build(answers), "fp-a")
+    assert not load_answer_store(counted, "fp-a").calibrated
+    assert store.over(AnswerStore.build(answers)).calibrated is False
+    fast = seeded_stream(model, 1, 3.0, 21, fold=True)
+    spec = TreeSpeculative("t", model, fast, [], None, 8, 4, 2, 2, lookup=6, answers=back)
+    state = spec.make_drafter(model.new_cache(16))
+    assert (state.answer_calib, state.answer_deeper) == (1.0, 1.0)
+    for _ in range(3):  # its chains priced by other numbers, the tokens stay plain greedy
+        prompt = [rng.randrange(64) for _ in range(rng.randint(1, 12))]
+        assert spec.generate(prompt, gen).tokens == Autoregressive(model, []).generate(prompt, gen).tokens
+    spec.answers = AnswerStore.build(answers)
+    assert spec.make_drafter(model.new_cache(16)).answer_calib < 1.0

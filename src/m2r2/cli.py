@@ -532,6 +532,8 @@ def cmd_answer_store(args: argparse.Namespace) -> int:
     texts = [t for c in args.corpus for t in assistant_turns(Path(c))]
     if not answers and not texts:
         raise InputError("nothing to count: give --data answers and/or a --corpus")
+    if args.calibrate and (args.calibrate < 2 or len(answers) < args.calibrate):
+        raise SettingsError(f"--calibrate {args.calibrate}: needs N >= 2 and at least N own answers ({len(answers)})")
     if args.over is not None and not Path(args.over).is_file():
         raise InputError(f"--over {args.over}: no such answer store")
     engine = _engine(args, quiet=True)
@@ -539,11 +541,17 @@ def cmd_answer_store(args: argparse.Namespace) -> int:
     responses = []
     for i in tqdm(range(0, len(texts), 2048), desc="tokenizing responses", disable=not texts, unit="batch"):
         responses += engine.tokenizer.hf(texts[i : i + 2048], add_special_tokens=False)["input_ids"]
-    store = AnswerStore.build(answers * args.own_weight + responses, args.min_count)
+    info: dict[str, object] = {"answers": len(answers), "tokens": sum(map(len, answers)), "responses": len(responses)}
+    info["response_tokens"] = sum(map(len, responses))
+    weight = args.own_weight if responses else 1  # against corpus text; alone, a count is a count (--min-count holds)
+    if args.calibrate:
+        store, info["calibration"] = AnswerStore.build_calibrated(
+            answers, args.min_count, weight, responses, every=args.calibrate
+        )
+    else:
+        store = AnswerStore.build(answers * weight + responses, args.min_count)
     if over is not None:
         store = over.over(store)
-    info = {"answers": len(answers), "tokens": sum(map(len, answers)), "responses": len(responses)}
-    info["response_tokens"] = sum(map(len, responses))
     out = save_answer_store(
         Path(args.out),
         store,
@@ -551,11 +559,12 @@ def cmd_answer_store(args: argparse.Namespace) -> int:
         data=[str(p) for p in paths],
         corpus=list(args.corpus),
         over=args.over,
-        own_weight=args.own_weight,
+        own_weight=weight,
         min_count=args.min_count,
         **info,
     )
-    print(json.dumps({"answer_store": str(out), **info, "entries": len(store)}))
+    shown = {k: v for k, v in info.items() if k != "calibration"}  # the cells are in the store's JSON
+    print(json.dumps({"answer_store": str(out), **shown, "entries": len(store)}))
     return 0
 
 
@@ -874,6 +883,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     an.add_argument("--over", default=None, help="an answer store whose n-grams take precedence over the new ones")
     an.add_argument("--min-count", type=int, default=2, help="keep n-grams seen at least this often (default 2)")
+    an.add_argument(
+        "--calibrate",
+        type=int,
+        default=0,
+        metavar="N",
+        help="hold out every Nth own answer, count the rest, and store each follower's share as how often a "
+        "follower of its n-gram order, share and count was right on the held-out answers (the tree prices store "
+        "chains by their shares; a share of 2 in 2 says less than one of 40 in 40); the store then counts every "
+        "answer. 0 (default): plain shares",
+    )
     an.add_argument("--out", required=True, help="NAME.safetensors (+ NAME.json) to write")
     _add_model_args(an)
     an.set_defaults(func=cmd_answer_store)

@@ -705,7 +705,11 @@ class TreeSpeculative:
         return state.verify_fit.corrected(self.costs)
 
     def make_drafter(self, cache: KVCache) -> TreeState:
-        """Per-sequence drafting state; ``h_last`` is set from the prefill (or a batched step)."""
+        """Per-sequence drafting state; ``h_last`` is set from the prefill (or a batched step). A store whose
+        shares were calibrated on held-out answers (:meth:`AnswerStore.build_calibrated`) starts its sequences'
+        calibrations at 1: its shares already say how often a follower is right."""
+        if self.answers is not None and self.answers.calibrated:
+            return TreeState(answer_calib=1.0, answer_deeper=1.0)
         return TreeState()
 
     @torch.inference_mode()
