@@ -55,9 +55,9 @@ MASK64 = (1 << 64) - 1
 #: a key's bucket is the top bits of key * HASH modulo 2^64 (Fibonacci hashing)
 HASH = 0x9E3779B97F4A7C15
 #: calibration cells (:func:`calibrate`): an n-gram's order, its follower's share in tenths and how often it was seen,
-#: in the bins [2], [3, 4], [5, 9], [10, 19], [20, 49], [50, ...)
+#: in the bins [1] (kept with --min-count 1), [2], [3, 4], [5, 9], [10, 19], [20, 49], [50, ...)
 SHARE_BINS = 10
-SEEN_EDGES = (2, 3, 5, 10, 20, 50)
+SEEN_EDGES = (1, 2, 3, 5, 10, 20, 50)
 #: a cell's held-out hit rate is pulled towards each entry's own share by this many pseudo-tries
 CALIB_PRIOR = 10
 
