@@ -104,6 +104,7 @@ def test_the_command_builds_a_store_and_refuses_bad_input_before_loading_a_model
     assert main(["answer-store", "--data", str(data), "--out", str(out), "--model", model_dir]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["answers"] == 4 and report["entries"] > 0 and out.is_file()
+    assert report["shares"] == "counted"  # under 20 own answers: too few to hold any out by default
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "x", "messages": []}\n')
     assert main(["answer-store", "--data", str(bad), "--out", str(out), "--model", "/nonexistent"]) != 0
@@ -118,6 +119,12 @@ def test_the_command_builds_a_store_and_refuses_bad_input_before_loading_a_model
     assert main(["answer-store", "--data", str(data), "--calibrate", "2", "--out", str(out), "--model", model_dir]) == 0
     side = json.loads(out.with_suffix(".json").read_text())
     assert side["config"]["shares"] == "calibrated" and side["calibration"]["held_out_answers"] == 2
+    capsys.readouterr()
+    many = tmp_path / "many.jsonl"  # 20 answers or more: calibrated on every 10th by default
+    many.write_text("".join(json.dumps(r | {"id": f"{r['id']}-{k}"}) + "\n" for r in rows for k in range(5)))
+    assert main(["answer-store", "--data", str(many), "--out", str(out), "--model", model_dir]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["shares"] == "calibrated on every 10th answer"
+    assert json.loads(out.with_suffix(".json").read_text())["calibration"]["held_out_answers"] == 2
 
 
 @pytest.mark.slow

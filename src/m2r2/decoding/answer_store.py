@@ -114,10 +114,10 @@ class AnswerStore:
     def build_calibrated(
         cls,
         answers: list[list[int]],
+        every: int,
         min_count: int = 2,
         weight: int = 1,
         extra: list[list[int]] | None = None,
-        every: int = 10,
     ) -> tuple[AnswerStore, dict[str, object]]:
         """:meth:`build` over ``answers`` (each counted ``weight`` times) and ``extra`` text, each follower's share
         replaced by how often a follower of its kind was right on own answers the counts did not see.
