@@ -708,7 +708,7 @@ class TreeSpeculative:
         """Per-sequence drafting state; ``h_last`` is set from the prefill (or a batched step). A store whose
         shares were calibrated on held-out answers (:meth:`AnswerStore.build_calibrated`) starts its sequences'
         calibrations at 1: its shares already say how often a follower is right."""
-        if self.answers is not None and self.answers.calibrated:
+        if getattr(self.answers, "calibrated", False):  # (any object with ``propose`` can serve as a store)
             return TreeState(answer_calib=1.0, answer_deeper=1.0)
         return TreeState()
 
