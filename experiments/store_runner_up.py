@@ -9,8 +9,8 @@ runner-up of the n-gram the store followed is the model's next token, binned by 
 often the first follower is, by the n-gram's order, the first follower's share and how often the n-gram was seen (the
 store prices a node by its share alone: does the order or the support say more?).
 
-The counts are rebuilt here from distill-data files (the 4/3/2-grams seen at least twice, as ``m2r2 answer-store``
-keeps them); the first follower is the store's.
+The counts are rebuilt here from distill-data files: the 4/3/2-grams seen at least twice, whatever followed them
+(``m2r2 answer-store`` keeps a follower seen at least twice; the first follower here is its most frequent, as there).
 
     python experiments/store_runner_up.py RESULTS.json ANSWERS.jsonl [ANSWERS.jsonl ...]
 """

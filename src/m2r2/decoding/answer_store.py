@@ -250,8 +250,8 @@ def _keys(grams: np.ndarray) -> np.ndarray:
 def _cell_of(order: int, share: np.ndarray, seen: np.ndarray) -> np.ndarray:
     """Calibration cell ids of entries of one order (shares in 8 bits, ``seen`` their n-grams' counts)."""
     share_bin = np.minimum(share.astype(np.int64) * SHARE_BINS // (SHARE_STEPS + 1), SHARE_BINS - 1)
-    seen_bin = np.searchsorted(np.asarray(SEEN_EDGES), seen, side="right") - 1
-    return (ORDERS.index(order) * SHARE_BINS + share_bin) * len(SEEN_EDGES) + np.maximum(seen_bin, 0)
+    seen_bin = np.searchsorted(np.asarray(SEEN_EDGES), seen, side="right") - 1  # a kept n-gram was seen once at least
+    return (ORDERS.index(order) * SHARE_BINS + share_bin) * len(SEEN_EDGES) + seen_bin
 
 
 def _cell_names() -> list[tuple[int, int, int]]:
