@@ -5,10 +5,14 @@ says which of its sections run it, every one of them after a verify pass has str
 (`cold_ops.py`).
 
     python experiments/round_sections.py [PROMPTS] [THREADS]
+
+``DRAFT=uncopied`` (or any ``draft=`` policy) runs `m2r2` with that policy. A second table splits the sections between
+the rounds that drafted and those that did not: what a drafting round costs beyond its draft call.
 """
 
 import collections
 import inspect
+import os
 import sys
 import textwrap
 import time
@@ -59,17 +63,46 @@ for line, name in ENDS.items():
     body = body.replace(at, f"    _mark({name!r})\n{at}", 1)
 namespace = dict(vars(tree), _mark=_mark)
 exec("from __future__ import annotations\n" + body, namespace)  # our own source, edited
-tree.TreeSpeculative.round = namespace["round"]
+timed_round = namespace["round"]
+#: per kind of round (drafted or not): rounds, and the seconds of each section
+split: dict[bool, list] = {True: [0, collections.defaultdict(float)], False: [0, collections.defaultdict(float)]}
+
+
+def split_round(self, state, *args, **kwargs):
+    """The timed round, its sections' time also added to the kind it turned out to be."""
+    before, drafted = dict(spent), state.draft_rounds
+    out = timed_round(self, state, *args, **kwargs)
+    kind = split[state.draft_rounds > drafted]
+    kind[0] += 1
+    for name, seconds in spent.items():
+        kind[1][name] += seconds - before.get(name, 0.0)
+    return out
+
+
+tree.TreeSpeculative.round = split_round
+options = {"draft": os.environ["DRAFT"]} if os.environ.get("DRAFT") else {}
 
 engine, ids = warmed_first_turns(n_prompts, threads)
 spent.clear()
+for kind in split.values():
+    kind[0] = 0
+    kind[1].clear()
 rounds = 0
 for prompt in ids[1:]:
-    rounds += engine.generate_ids(prompt, "m2r2", GEN).stats["verify_passes"]
-print(f"{engine.kernel} kernel, {threads} thread(s), MT-Bench first turns 2..{n_prompts}: {rounds} rounds")
+    rounds += engine.generate_ids(prompt, "m2r2", GEN, **options).stats["verify_passes"]
+policy = f", draft={options['draft']}" if options else ""
+print(f"{engine.kernel} kernel, {threads} thread(s), MT-Bench first turns 2..{n_prompts}{policy}: {rounds} rounds")
 print("| section (ends where the next begins) | us a round |")
 print("|---|--:|")
 for name, seconds in spent.items():
     print(f"| {name} | {seconds / rounds * 1e6:.1f} |")
 python = sum(v for k, v in spent.items() if k not in NOT_PYTHON)
 print(f"| **the round's own Python** (all but the drafter and the verify pass) | **{python / rounds * 1e6:.1f}** |")
+
+(n_drafted, drafted), (n_plain, plain) = split[True], split[False]
+print(f"\n| section | us a drafting round ({n_drafted}) | us a round without drafting ({n_plain}) |")
+print("|---|--:|--:|")
+for name in spent:
+    print(f"| {name} | {drafted[name] / max(n_drafted, 1) * 1e6:.1f} | {plain[name] / max(n_plain, 1) * 1e6:.1f} |")
+own = [sum(v for k, v in d.items() if k not in NOT_PYTHON) / max(n, 1) * 1e6 for n, d in split.values()]
+print(f"| **the round's own Python** | **{own[0]:.1f}** | **{own[1]:.1f}** |")
