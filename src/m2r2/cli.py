@@ -527,7 +527,13 @@ CALIBRATE_EVERY = 10
 def cmd_answer_store(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from m2r2.decoding.answer_store import AnswerStore, load_answer_store, read_answers, save_answer_store
+    from m2r2.decoding.answer_store import (
+        AnswerStore,
+        check_hold_out,
+        load_answer_store,
+        read_answers,
+        save_answer_store,
+    )
     from m2r2.training.store import assistant_turns
 
     if args.min_count < 1 or args.own_weight < 1:
@@ -539,8 +545,8 @@ def cmd_answer_store(args: argparse.Namespace) -> int:
         raise InputError("nothing to count: give --data answers and/or a --corpus")
     if args.calibrate is None:  # the default: calibrate where there are answers enough to hold some out
         args.calibrate = CALIBRATE_EVERY if len(answers) >= 2 * CALIBRATE_EVERY else 0
-    if args.calibrate and (args.calibrate < 2 or len(answers) < args.calibrate):
-        raise SettingsError(f"--calibrate {args.calibrate}: needs N >= 2 and at least N own answers ({len(answers)})")
+    if args.calibrate:
+        check_hold_out(args.calibrate, len(answers), "--calibrate")
     if args.over is not None and not Path(args.over).is_file():
         raise InputError(f"--over {args.over}: no such answer store")
     engine = _engine(args, quiet=True)

@@ -130,10 +130,7 @@ class AnswerStore:
         :func:`calibrate` bins each prediction by its n-gram's order, share and support. The store itself then counts
         everything. Returns the store and what the calibration saw (its cells' tries and hits)."""
         extra = extra or []
-        if every < 2 or len(answers) < every:
-            raise SettingsError(
-                f"calibration holds out every {every}th answer: needs every >= 2 and >= {every} answers"
-            )
+        check_hold_out(every, len(answers))
         held = answers[::every]
         fit = [a for i, a in enumerate(answers) if i % every]
         tries, hits = _replay_cells(_tables(fit * weight + extra, min_count), held)
@@ -245,6 +242,17 @@ def _keys(grams: np.ndarray) -> np.ndarray:
     for j in range(grams.shape[1]):
         keys = (keys << np.uint64(16)) + grams[:, j].astype(np.uint64)
     return keys
+
+
+def check_hold_out(every: int, answers: int, name: str = "every") -> None:
+    """Refuse a calibration stride (``name``: the argument as its caller spells it) that leaves no answer to hold out
+    or none to count: one check for :meth:`AnswerStore.build_calibrated` and for the CLI, which asks before it loads
+    a model."""
+    if every < 2 or answers < every:
+        raise SettingsError(
+            f"{name} {every}: calibration holds out every Nth own answer, so it needs N >= 2 and at least N answers "
+            f"({answers})"
+        )
 
 
 def _cell_of(order: int, share: np.ndarray, seen: np.ndarray) -> np.ndarray:
